@@ -1,0 +1,95 @@
+"""Whole tables in one place: ``device`` (the reference) and ``cpu`` (host lookups).
+
+Both keep every table, with its optimizer state, in one tensor over the global row space
+and train it with :func:`embbench.embedding.pooled_lookup`. They differ only in where the
+tensor lives: on the compute device, or on the host with ids and gradients sent there and
+pooled embeddings sent back (the classic hybrid CPU-GPU baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from embbench.data.batch import SparseFeatures
+from embbench.data.presets import TableSpec
+from embbench.embedding import RowSpace, RowStore, pooled_lookup
+from embbench.optim import EmbeddingOptimizer
+from embbench.strategy import BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy
+
+
+class WholeTables(SparseModule):
+    """Every table on the host (``on_host``) or on the compute device; results on the device."""
+
+    def __init__(self, ctx: BuildContext, on_host: bool):
+        super().__init__()
+        self.space = RowSpace(ctx.tables)
+        self.on_host = on_host
+        self.compute = ctx.env.device
+        self.storage = storage = torch.device("cpu") if on_host else self.compute
+        weights = torch.cat([ctx.initial_table(t) for t in range(len(ctx.tables))]).to(storage)
+        self.store = RowStore(weights, ctx.optimizer.new_state(self.space.num_rows, storage), ctx.optimizer)
+        self._counts = {"accesses": 0, "bytes_h2d": 0, "bytes_d2h": 0}
+        self._remote = storage != self.compute
+
+    def forward(self, features: SparseFeatures) -> Tensor:
+        rows = self.space.global_rows(features)
+        offsets = features.offsets()
+        self._counts["accesses"] += rows.numel()
+        if self._remote:
+            rows, offsets = rows.to(self.storage), offsets.to(self.storage)
+            pooled_bytes = offsets.numel() - 1
+            # ids go to the host; pooled rows come back; their gradients go to the host.
+            self._counts["bytes_d2h"] += (rows.numel() + offsets.numel()) * 8 + pooled_bytes * self.space.dim * 4
+            self._counts["bytes_h2d"] += pooled_bytes * self.space.dim * 4
+        pooled = pooled_lookup(self.store, rows, offsets, self.compute)
+        batch = features.batch_size
+        return pooled.view(features.num_tables, batch, -1).transpose(0, 1).reshape(batch, -1)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def memory(self) -> MemoryFootprint:
+        nbytes = self.store.weights.nbytes + self.store.state.nbytes
+        return MemoryFootprint(host_bytes=nbytes) if self.on_host else MemoryFootprint(device_bytes=nbytes)
+
+    def flush(self) -> list[Tensor]:
+        return [t.cpu().clone() for t in self.space.split(self.store.weights)]
+
+
+def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer) -> int:
+    return sum(t.num_rows * (t.dim + optimizer.state_width) * 4 for t in tables)
+
+
+def _single_process(env: RuntimeEnv) -> str | None:
+    if env.world_size > 1:
+        return "keeps whole tables in one process; for several ranks use gpu_sharded or freqcache"
+    return None
+
+
+class DeviceStrategy(Strategy):
+    name = "device"
+    summary = "every table in device memory (the reference for equivalence)"
+
+    def unsupported_reason(self, env: RuntimeEnv) -> str | None:
+        return _single_process(env)
+
+    def estimate_memory(self, tables, optimizer, world_size):
+        return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer))
+
+    def build(self, ctx: BuildContext) -> SparseModule:
+        return WholeTables(ctx, on_host=False)
+
+
+class CpuStrategy(Strategy):
+    name = "cpu"
+    summary = "tables on the host: CPU lookups and updates, pooled rows to the device"
+
+    def unsupported_reason(self, env: RuntimeEnv) -> str | None:
+        return _single_process(env)
+
+    def estimate_memory(self, tables, optimizer, world_size):
+        return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer))
+
+    def build(self, ctx: BuildContext) -> SparseModule:
+        return WholeTables(ctx, on_host=True)

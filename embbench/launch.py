@@ -1,0 +1,180 @@
+"""Runs the cells of a scenario, each in its own processes under a time limit.
+
+A cell is ``world_size`` processes of :mod:`embbench.runner` (torch.distributed env://
+variables set: one process per device, gloo on the CPU, NCCL on GPUs) in a new process
+session. An exception, out-of-memory, a crash or a timeout becomes that cell's status; its
+processes are reaped, its record is written at once, and the next cell runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from embbench.results import Record, Status, load_records, provenance, write_record
+from embbench.runner import resolve_device
+from embbench.scenario import Cell, Scenario
+from embbench.strategy import RuntimeEnv, Unsupported
+
+__all__ = ["CellOutcome", "run_cells", "run_isolated"]
+
+#: How long the other ranks may live on after one rank failed (they may be stuck in a collective).
+_PEER_GRACE_S = 10.0
+
+
+@dataclass
+class CellOutcome:
+    status: Status
+    message: str | None
+    metrics: dict[str, Any] | None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Path,
+                 weights_path: Path | None = None, time_limit_s: float | None = None) -> CellOutcome:
+    """Run one cell in ``cell.world_size`` fresh processes and report how it ended."""
+    limit = time_limit_s if time_limit_s is not None else scenario.run.time_limit_s
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="embbench-cell-") as tmp:
+        tmp_dir = Path(tmp)
+        spec = {
+            "scenario": scenario.model_dump(mode="json"),
+            "scenario_file": scenario_file,
+            "cell": {"strategy": cell.strategy, "params": cell.params, "world_size": cell.world_size},
+            "result": str(tmp_dir / "result.json"),
+            "weights": str(weights_path) if weights_path else None,
+        }
+        spec_path = tmp_dir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        port = _free_port()
+        procs, logs = [], []
+        for rank in range(cell.world_size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
+                       LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PYTHONUNBUFFERED="1")
+            log = log_dir / f"{cell.slug}.rank{rank}.log"
+            logs.append(log)
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
+                                              stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        deadline = time.monotonic() + limit
+        first_failure: float | None = None
+        try:
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    _kill(procs)
+                    return CellOutcome("timeout", f"exceeded the time limit of {limit:g} s", None)
+                if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+                    first_failure = now
+                if first_failure is not None and now - first_failure > _PEER_GRACE_S:
+                    break
+                time.sleep(0.05)
+        finally:
+            _kill(procs)  # reaps everything, also on KeyboardInterrupt
+        errors = sorted(tmp_dir.glob("error.rank*.json"))
+        if errors:
+            error = json.loads(errors[0].read_text())
+            rank = errors[0].stem.removeprefix("error.rank")
+            prefix = f"rank {rank}: " if cell.world_size > 1 else ""
+            return CellOutcome(error["status"], f"{prefix}{error['type']}: {error['message']}", None)
+        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            rank, code = failed[0]
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            hint = " (the kernel's OOM killer sends signal 9)" if code == -signal.SIGKILL else ""
+            return CellOutcome("error", f"rank {rank} {how}{hint}; log tail:\n{_tail(logs[rank])}", None)
+        result = tmp_dir / "result.json"
+        if not result.exists():
+            return CellOutcome("error", "the run ended without a result", None)
+        return CellOutcome("ok", None, json.loads(result.read_text()))
+
+
+def _max_weight_diff(a: Path, b: Path) -> float:
+    left, right = torch.load(a), torch.load(b)
+    return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
+
+
+def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path, resume: bool = False,
+              on_start: Callable[[Cell], None] | None = None,
+              on_done: Callable[[Cell, Record], None] | None = None) -> list[Record]:
+    """Run every cell (the baseline's first), writing each record as soon as it ends."""
+    done: dict[str, Record] = {}
+    if resume and out_dir.exists() and any(out_dir.glob("*.json")):
+        done = {r.cell_id: r for r in load_records(out_dir) if r.status in ("ok", "unsupported")}
+    compare = scenario.weights_compared()
+    weights_dir = out_dir / "weights"
+    scenario_info = {"name": scenario.name, "file": scenario_file, "digest": scenario.digest(),
+                     "config": scenario.model_dump(mode="json")}
+    baseline_weights = None
+    records = []
+    for cell in cells:
+        if cell.id in done:
+            record = done[cell.id]
+        else:
+            if on_start:
+                on_start(cell)
+            outcome = _outcome_without_launch(scenario, cell)
+            weights_path = weights_dir / f"{cell.slug}.pt" if compare else None
+            if outcome is None:
+                outcome = run_isolated(scenario, scenario_file, cell, out_dir / "logs", weights_path)
+            record = Record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
+                            status=outcome.status, message=outcome.message, baseline=scenario.baseline,
+                            scenario=scenario_info, metrics=outcome.metrics, provenance=provenance())
+        if record.status == "ok" and compare and record.metrics.get("weights_file"):
+            mine = weights_dir / record.metrics["weights_file"]
+            if cell.strategy == scenario.baseline and baseline_weights is None:
+                baseline_weights = mine
+            if baseline_weights is not None and mine.exists() and baseline_weights.exists():
+                record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, baseline_weights)
+        write_record(out_dir, cell.slug, record)
+        records.append(record)
+        if on_done:
+            on_done(cell, record)
+    return records
+
+
+def _outcome_without_launch(scenario, cell) -> CellOutcome | None:
+    """The cells that need no processes: those this machine cannot run."""
+    try:
+        device = resolve_device(scenario.run.device)
+    except Unsupported as e:
+        return CellOutcome("unsupported", str(e), None)
+    if device.type == "cuda" and cell.world_size > torch.cuda.device_count():
+        return CellOutcome("unsupported", f"needs {cell.world_size} GPUs, this machine has {torch.cuda.device_count()}", None)
+    reason = cell.make_strategy().unsupported_reason(RuntimeEnv(device, cell.world_size))
+    return CellOutcome("unsupported", reason, None) if reason else None

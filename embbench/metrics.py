@@ -1,0 +1,106 @@
+"""Measurement: synchronised step timing, summary statistics, accuracy, memory probes."""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes", "device_memory"]
+
+
+class StepTimer:
+    """Times regions with no pending device work at either end.
+
+    On CUDA it records events on the current stream and synchronises at the end; on the CPU
+    it reads a monotonic clock (CPU ops are synchronous).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> "StepTimer":
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+# Two-sided 95% Student t quantiles by degrees of freedom (1..30); the normal beyond.
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def confidence_interval(values: list[float]) -> tuple[float, float] | None:
+    """95% confidence interval of the mean (Student t), or None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    mean = statistics.fmean(values)
+    half = (_T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean - half, mean + half
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of sorted values."""
+    pos = (len(sorted_values) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples: list[float]) -> dict[str, Any]:
+    """min, max, mean, median, p95, stddev, iqr and the raw samples."""
+    s = sorted(samples)
+    return {
+        "n": len(s),
+        "min": s[0],
+        "max": s[-1],
+        "mean": statistics.fmean(s),
+        "median": statistics.median(s),
+        "p95": _percentile(s, 0.95),
+        "stddev": statistics.stdev(s) if len(s) > 1 else 0.0,
+        "iqr": _percentile(s, 0.75) - _percentile(s, 0.25),
+        "samples": samples,
+    }
+
+
+def auc_logloss(logits: Tensor, labels: Tensor) -> tuple[float, float]:
+    """ROC AUC (torchmetrics) and mean log-loss of logits against 0/1 labels."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    logits, labels = logits.float().cpu(), labels.float().cpu()
+    auc = float(binary_auroc(torch.sigmoid(logits), labels.long()))
+    logloss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
+    return auc, logloss
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_memory(device: torch.device) -> dict[str, int | None]:
+    """Peak allocated and reserved device bytes since the last reset (None on the CPU)."""
+    if device.type != "cuda":
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    return {
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+    }

@@ -1,0 +1,217 @@
+"""Scenarios: the YAML schema, validated up front, and its expansion into a matrix of cells.
+
+A misspelled key, a wrong type, an unknown strategy or parameter is a
+:class:`ScenarioError` naming the file and the key path, before anything runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from embbench.data.presets import PRESETS, TableSpec, make_tables
+from embbench.model import ModelConfig
+from embbench.optim import DenseOptimizer, EmbeddingOptimizer
+from embbench.strategy import Strategy, get_strategy, load_strategies
+
+__all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario"]
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot run; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    preset: Literal[tuple(PRESETS)] = "criteo_kaggle"  # type: ignore[valid-type]
+    scale: float = Field(1.0, gt=0, le=1, description="multiplies every table's cardinality")
+    embedding_dim: int = Field(128, gt=0)
+    alpha: float = Field(1.15, ge=0, description="Zipf exponent of id popularity")
+    batch_size: int = Field(16384, gt=0, description="global: split across the ranks")
+
+
+class OptimizerConfig(_Strict):
+    embedding: EmbeddingOptimizer = EmbeddingOptimizer()
+    dense: DenseOptimizer = DenseOptimizer()
+
+
+class RunConfig(_Strict):
+    world_size: int | list[int] = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    warmup_steps: int = Field(5, ge=0)
+    steps: int = Field(20, gt=0, description="measured steps per repeat")
+    repeats: int = Field(3, ge=1)
+    eval_batches: int = Field(4, ge=0)
+    seed: int = 0
+    time_limit_s: float = Field(600, gt=0, description="per cell, build to evaluation")
+    compare_weights: bool | Literal["auto"] = Field(
+        "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
+    )
+
+    @property
+    def world_sizes(self) -> list[int]:
+        return self.world_size if isinstance(self.world_size, list) else [self.world_size]
+
+
+class StrategyEntry(_Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class Scenario(_Strict):
+    name: str
+    description: str = ""
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    run: RunConfig = RunConfig()
+    baseline: str
+    strategies: list[StrategyEntry] = Field(min_length=1)
+
+    def tables(self) -> list[TableSpec]:
+        return make_tables(self.data.preset, self.data.embedding_dim, self.data.scale, self.data.alpha)
+
+    def digest(self) -> str:
+        """A hash of the effective scenario (after command-line overrides)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def weights_compared(self) -> bool:
+        if self.run.compare_weights == "auto":
+            return sum(t.num_bytes for t in self.tables()) <= 256 << 20
+        return bool(self.run.compare_weights)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: a strategy with concrete parameters at one world size."""
+
+    strategy: str
+    params: dict[str, Any] = field(default_factory=dict, hash=False)
+    world_size: int = 1
+
+    @property
+    def id(self) -> str:
+        inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.strategy}[{inner}]@w{self.world_size}" if inner else f"{self.strategy}@w{self.world_size}"
+
+    @property
+    def slug(self) -> str:
+        """The id as a file name."""
+        return "".join(c if c.isalnum() or c in "-_.=@," else "_" for c in self.id)
+
+    def make_strategy(self) -> Strategy:
+        cls = get_strategy(self.strategy)
+        return cls(cls.Params(**self.params))
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _format(errors: list[dict], file: str, prefix: str = "") -> str:
+    lines = []
+    for e in errors:
+        key = _loc(tuple(p for p in e["loc"] if p not in ("int", "list[int]", "bool", "literal['auto']")))
+        key = f"{prefix}.{key}" if prefix and key else (prefix or key)
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{file}: {key}: {msg}")
+    return "\n".join(lines)
+
+
+def _expand(entry: StrategyEntry, index: int, file: str) -> list[dict[str, Any]]:
+    where = f"strategies[{index}]"
+    try:
+        cls = get_strategy(entry.name)
+    except KeyError:
+        raise ScenarioError(
+            f"{file}: {where}.name: unknown strategy {entry.name!r}; installed: {', '.join(load_strategies())}"
+        ) from None
+    fields = cls.Params.model_fields
+    axes: list[list[tuple[str, Any]]] = []
+    for key, value in entry.params.items():
+        if key not in fields:
+            raise ScenarioError(
+                f"{file}: {where}.params.{key}: unknown parameter of {entry.name} "
+                f"(known: {', '.join(fields) or 'none'})"
+            )
+        is_list_param = typing.get_origin(fields[key].annotation) in (list, tuple)
+        values = value if isinstance(value, list) and not is_list_param else [value]
+        if not values:
+            raise ScenarioError(f"{file}: {where}.params.{key}: empty list")
+        axes.append([(key, v) for v in values])
+    combos = [dict(c) for c in itertools.product(*axes)]
+    for combo in combos:
+        try:
+            cls.Params(**combo)
+        except ValidationError as e:
+            raise ScenarioError(_format(e.errors(), file, f"{where}.params")) from None
+    return combos
+
+
+def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[Cell]]:
+    """Validate a scenario mapping and expand it into cells (the baseline's first)."""
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{file}: a scenario is a mapping of keys, got {type(raw).__name__}")
+    try:
+        scenario = Scenario.model_validate(raw)
+    except ValidationError as e:
+        raise ScenarioError(_format(e.errors(), file)) from None
+    names = [s.name for s in scenario.strategies]
+    if scenario.baseline not in names:
+        raise ScenarioError(f"{file}: baseline: {scenario.baseline!r} is not among the strategies {names}")
+    cells = []
+    for index, entry in enumerate(scenario.strategies):
+        for params in _expand(entry, index, file):
+            for world in scenario.run.world_sizes:
+                cells.append(Cell(entry.name, params, world))
+    cells.sort(key=lambda c: c.strategy != scenario.baseline)
+    ids = [c.id for c in cells]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ScenarioError(f"{file}: strategies: the same cell appears twice: {', '.join(duplicates)}")
+    return scenario, cells
+
+
+def load_scenario(
+    path: str | Path,
+    steps: int | None = None,
+    scale: float | None = None,
+    strategies: list[str] | None = None,
+) -> tuple[Scenario, list[Cell]]:
+    """Read, override (command-line flags), validate and expand a scenario file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ScenarioError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
+    if isinstance(raw, dict):
+        if steps is not None:
+            raw.setdefault("run", {})["steps"] = steps
+        if scale is not None:
+            raw.setdefault("data", {})["scale"] = scale
+    scenario, cells = parse_scenario(raw, str(path))
+    if strategies:
+        unknown = set(strategies) - {c.strategy for c in cells}
+        if unknown:
+            raise ScenarioError(f"--strategies: {', '.join(sorted(unknown))} not in {path}")
+        cells = [c for c in cells if c.strategy in strategies]
+    return scenario, cells

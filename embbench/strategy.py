@@ -1,0 +1,199 @@
+"""The strategy interface and the registry.
+
+A *strategy* is a placement of the embedding tables (all on the device, on the host, in
+unified memory, behind a cache, ...). The harness knows strategies only through this
+interface and never branches on a strategy's name. Strategies are discovered through the
+``embbench.strategies`` entry-point group; the built-in ones register there exactly as a
+third party's would::
+
+    [project.entry-points."embbench.strategies"]
+    my_cache = "my_package.module:MyCacheStrategy"
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from embbench.data.batch import Batch, SparseFeatures
+from embbench.data.presets import TableSpec
+from embbench.optim import EmbeddingOptimizer
+
+__all__ = [
+    "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "SparseModule",
+    "Strategy", "StrategyParams", "Unsupported", "get_strategy", "load_strategies",
+]
+
+#: Counter names every strategy reports (cumulative since build; absent ones count as 0).
+COUNTERS = {
+    "accesses": "ids looked up (with repeats)",
+    "unique_accesses": "distinct rows looked up, summed over steps",
+    "hits": "ids served from the device-side cache",
+    "misses": "ids whose row had to be fetched into the cache",
+    "unique_misses": "distinct rows fetched into the cache",
+    "rows_admitted": "rows copied into the cache",
+    "rows_evicted": "rows removed from the cache",
+    "bytes_h2d": "bytes moved host -> device (rows, state, pooled embeddings)",
+    "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
+}
+
+
+class Unsupported(Exception):
+    """Raised by a strategy that cannot run in this environment; the message says why."""
+
+
+class StrategyParams(BaseModel):
+    """Base class of a strategy's parameters: typed, defaulted, validated, no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoParams(StrategyParams):
+    pass
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    """What the current machine and process offer."""
+
+    device: torch.device
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass
+class MemoryFootprint:
+    """Static bytes a strategy holds, per rank.
+
+    ``device_bytes`` are on the compute device (which is the CPU on a machine without GPUs).
+    """
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+    pinned_bytes: int = 0
+
+
+@dataclass
+class BuildContext:
+    """Everything a strategy needs to build its sparse module on one rank.
+
+    Attributes:
+        tables: the model's tables (all ranks see all tables).
+        env: device, rank and world size.
+        optimizer: the embedding optimizer, whose math the module must apply.
+        local_batch_size: samples per step on this rank.
+        init_weights: ``init_weights(t, start, stop)`` returns rows ``[start, stop)`` of
+            table ``t``'s initial weights (float32, on the CPU); every strategy starts from them.
+        train_batches: ``train_batches(n)`` iterates over the first ``n`` training batches
+            (this rank's share) for frequency statistics; evaluation data is never offered.
+        process_group: the torch.distributed group of the ranks, or None for one process.
+    """
+
+    tables: list[TableSpec]
+    env: RuntimeEnv
+    optimizer: EmbeddingOptimizer
+    local_batch_size: int
+    init_weights: Callable[[int, int, int], Tensor]
+    train_batches: Callable[[int], Iterator[Batch]]
+    process_group: Any = None
+
+    def initial_table(self, t: int) -> Tensor:
+        return self.init_weights(t, 0, self.tables[t].num_rows)
+
+
+class SparseModule(torch.nn.Module, abc.ABC):
+    """Maps a batch's sparse features to pooled embeddings and trains them.
+
+    ``forward`` returns ``[local_batch, num_tables * dim]`` on the compute device, table-major
+    like torchrec's KeyedTensor. The embedding optimizer runs inside backward (or in
+    :meth:`after_backward`); the harness's dense optimizer never sees embedding weights.
+    """
+
+    @abc.abstractmethod
+    def forward(self, features: SparseFeatures) -> Tensor: ...
+
+    def prefetch(self, features: SparseFeatures) -> None:
+        """The next batch, given early so that its transfers can overlap this step."""
+
+    def after_backward(self) -> None:
+        """Called once per step after backward (for strategies that update there)."""
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters; names from :data:`COUNTERS`."""
+        return {}
+
+    @abc.abstractmethod
+    def memory(self) -> MemoryFootprint: ...
+
+    @abc.abstractmethod
+    def flush(self) -> list[Tensor]:
+        """The trained weights as full host tables (on every rank), one tensor per table."""
+
+    def extra_metrics(self) -> dict[str, Any]:
+        """Anything else worth recording (e.g. the id stream sample for a cache bound)."""
+        return {}
+
+
+class Strategy(abc.ABC):
+    """A placement strategy: its parameters, where it can run, and how to build it."""
+
+    #: Name used in scenarios (must equal the entry-point name).
+    name: ClassVar[str]
+    #: One line for ``embbench strategies``.
+    summary: ClassVar[str] = ""
+    #: The parameter model; scenario values are validated against it.
+    Params: ClassVar[type[StrategyParams]] = NoParams
+
+    def __init__(self, params: StrategyParams | None = None):
+        self.params = params if params is not None else self.Params()
+
+    def unsupported_reason(self, env: RuntimeEnv) -> str | None:
+        """Why this strategy cannot run here, or None if it can."""
+        return None
+
+    def estimate_memory(self, tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> MemoryFootprint | None:
+        """Static bytes per rank before anything is built (for ``--dry-run``), if known."""
+        return None
+
+    @abc.abstractmethod
+    def build(self, ctx: BuildContext) -> SparseModule: ...
+
+
+def _validate(name: str, cls: object, source: str) -> type[Strategy]:
+    where = f"strategy {name!r} ({source})"
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"{where} is not a subclass of embbench.strategy.Strategy: {cls!r}")
+    if getattr(cls, "name", None) != name:
+        raise TypeError(f"{where}: class {cls.__name__} declares name {getattr(cls, 'name', None)!r}")
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, StrategyParams)):
+        raise TypeError(f"{where}: Params must subclass embbench.strategy.StrategyParams")
+    return cls
+
+
+@cache
+def load_strategies() -> dict[str, type[Strategy]]:
+    """Every strategy installed through the ``embbench.strategies`` entry points."""
+    found: dict[str, type[Strategy]] = {}
+    for ep in entry_points(group="embbench.strategies"):
+        if ep.name in found:
+            raise TypeError(f"strategy {ep.name!r} is registered twice ({ep.value})")
+        found[ep.name] = _validate(ep.name, ep.load(), ep.value)
+    return dict(sorted(found.items()))
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    strategies = load_strategies()
+    if name not in strategies:
+        raise KeyError(f"unknown strategy {name!r}; installed: {', '.join(strategies)}")
+    return strategies[name]
