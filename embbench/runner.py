@@ -114,7 +114,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     batch_index = 0
     next_batch = data.batch(Stream.TRAIN, 0, global_batch).shard(env.rank, env.world_size)
 
-    def step() -> tuple[float, float]:
+    def step() -> tuple[float, torch.Tensor]:
         """One training step; returns (seconds, loss). Generating data is not timed."""
         nonlocal batch_index, next_batch
         batch = next_batch
@@ -128,14 +128,14 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             loss.backward()
             sparse.after_backward()
             dense_optimizer.step()
-        return timer.seconds, float(loss)
+        return timer.seconds, loss.detach()
 
     for _ in range(run.warmup_steps):
         step()
     counters_before = sparse.counters()
     step_seconds: list[float] = []
     repeat_throughput: list[float] = []
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []
     for _ in range(run.repeats):
         repeat_seconds = 0.0
         for _ in range(run.steps):
@@ -155,7 +155,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             batch = data.batch(Stream.EVAL, i, global_batch).shard(env.rank, env.world_size)
             logits.append(model(batch.dense, sparse(batch.sparse)))
             labels.append(batch.labels)
-    accuracy: dict[str, Any] = {"train_loss_last": statistics_tail(losses)}
+    accuracy: dict[str, Any] = {"train_loss_last10": float(torch.stack(losses[-10:]).mean())}
     if logits:
         all_logits, all_labels = torch.cat(logits), torch.cat(labels)
         if env.world_size > 1:
@@ -202,12 +202,6 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         "extra": sparse.extra_metrics(),
         "weights_file": weights_file,
     }
-
-
-def statistics_tail(losses: list[float], n: int = 10) -> float | None:
-    """Mean training loss over the last ``n`` measured steps."""
-    tail = losses[-n:]
-    return sum(tail) / len(tail) if tail else None
 
 
 def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""Shared helpers: tiny scenarios, an in-process training run, a plugin installed on the fly."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from embbench.runner import run_cell
+from embbench.scenario import Cell, parse_scenario
+from embbench.strategy import RuntimeEnv, load_strategies
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TINY = {
+    "name": "tiny",
+    "data": {"preset": "criteo_kaggle", "scale": 0.0002, "embedding_dim": 8, "batch_size": 64},
+    "model": {"bottom_mlp": [16, 8], "top_mlp": [16, 1]},
+    "optimizer": {"embedding": {"type": "rowwise_adagrad", "lr": 0.1}, "dense": {"type": "sgd", "lr": 0.1}},
+    "run": {"device": "cpu", "warmup_steps": 1, "steps": 3, "repeats": 2, "eval_batches": 1, "time_limit_s": 120},
+    "baseline": "device",
+    "strategies": [{"name": "device"}, {"name": "cpu"}],
+}
+
+
+def tiny_scenario(**overrides) -> dict:
+    """TINY with nested overrides: ``tiny_scenario(run={"steps": 5})``."""
+    raw = copy.deepcopy(TINY)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key].update(value)
+        else:
+            raw[key] = value
+    return raw
+
+
+def train_and_flush(raw: dict, strategy: str, params: dict | None = None, tmp_path: Path | None = None,
+                    world_size: int = 1) -> tuple[list[torch.Tensor], dict]:
+    """Run one cell in this process; return its flushed tables and its metrics."""
+    scenario, _ = parse_scenario(raw, "test")
+    weights = (tmp_path or Path("/tmp")) / f"w-{strategy}-{abs(hash(str(params)))}.pt"
+    metrics = run_cell(scenario, Cell(strategy, params or {}, world_size), RuntimeEnv(torch.device("cpu")), weights)
+    return torch.load(weights), metrics
+
+
+@pytest.fixture
+def plugin_path(tmp_path, monkeypatch):
+    """Installs test-only strategies through a real entry point (a dist-info on the path),
+    the way a third-party package registers, for this process and the ones it starts."""
+    site = tmp_path / "site"
+    (site / "faulty_plugin-0.0.dist-info").mkdir(parents=True)
+    (site / "faulty_plugin-0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-plugin\nVersion: 0.0\n")
+    (site / "faulty_plugin-0.0.dist-info" / "entry_points.txt").write_text(textwrap.dedent("""
+        [embbench.strategies]
+        raises = faulty_plugin:Raises
+        sleeps = faulty_plugin:Sleeps
+        """))
+    (site / "faulty_plugin.py").write_text(textwrap.dedent("""
+        import time
+        from embbench.strategy import Strategy
+
+        class Raises(Strategy):
+            name = "raises"
+            summary = "raises while building"
+            def build(self, ctx):
+                raise RuntimeError("boom from the faulty plugin")
+
+        class Sleeps(Strategy):
+            name = "sleeps"
+            summary = "never finishes building"
+            def build(self, ctx):
+                time.sleep(3600)
+        """))
+    monkeypatch.syspath_prepend(str(site))
+    import os
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    load_strategies.cache_clear()
+    yield site
+    load_strategies.cache_clear()

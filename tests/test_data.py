@@ -1,0 +1,70 @@
+import torch
+from hypothesis import given, settings, strategies as st
+
+from embbench.data import Stream, SyntheticCriteo, TableSpec, ZipfSampler, make_tables
+from embbench.data.presets import PRESETS
+
+
+def test_presets_have_the_real_cardinalities():
+    assert sum(PRESETS["criteo_kaggle"][0]) == 33_762_577
+    assert sum(PRESETS["criteo_1tb"][0]) == 177_944_275
+    assert sum(PRESETS["mlperf_dcnv2"][0]) == 204_184_588
+    assert all(len(rows) == 26 and len(bags) == 26 for rows, bags in PRESETS.values())
+    assert [t.num_rows for t in make_tables("criteo_kaggle", 8, scale=0.001)][:3] == [1, 1, 10131]
+
+
+def test_same_seed_same_batch_and_streams_differ():
+    tables = make_tables("mlperf_dcnv2", 8, scale=0.0001)
+    a, b = SyntheticCriteo(tables, seed=3), SyntheticCriteo(tables, seed=3)
+    x, y = a.batch(Stream.TRAIN, 5, 32), b.batch(Stream.TRAIN, 5, 32)
+    assert torch.equal(x.sparse.values, y.sparse.values) and torch.equal(x.dense, y.dense)
+    assert torch.equal(x.labels, y.labels)
+    other = a.batch(Stream.EVAL, 5, 32)
+    assert not torch.equal(x.sparse.values, other.sparse.values)
+    assert not torch.equal(x.sparse.values, SyntheticCriteo(tables, seed=4).batch(Stream.TRAIN, 5, 32).sparse.values)
+
+
+def test_ids_in_range_and_bag_sizes_follow_the_preset():
+    tables = make_tables("mlperf_dcnv2", 8, scale=0.0001)
+    batch = SyntheticCriteo(tables, seed=0).batch(Stream.TRAIN, 0, 16)
+    lengths = batch.sparse.lengths.view(len(tables), 16)
+    assert lengths[:, 0].tolist() == PRESETS["mlperf_dcnv2"][1]
+    table_of = batch.sparse.table_of_each_id()
+    limits = torch.tensor([t.num_rows for t in tables])[table_of]
+    assert bool((batch.sparse.values >= 0).all()) and bool((batch.sparse.values < limits).all())
+
+
+def test_zipf_top_one_percent_carries_the_predicted_share():
+    n, alpha = 200_000, 1.15
+    data = SyntheticCriteo([TableSpec("t", n, 4, 1, alpha)], seed=1)
+    ids = torch.cat([data.batch(Stream.TRAIN, i, 100_000).sparse.values for i in range(10)])
+    counts = torch.bincount(ids, minlength=n).double()
+    observed = float(counts.sort(descending=True).values[: n // 100].sum() / counts.sum())
+    k = torch.arange(1, n + 1, dtype=torch.float64)
+    exact = k.pow(-alpha)
+    predicted = float(exact[: n // 100].sum() / exact.sum())
+    assert abs(observed - predicted) < 0.01, (observed, predicted)
+    # the hottest ids are the ones hot_ids() names, scattered through the table, not 0, 1, 2 ...
+    hot = data.hot_ids(0, 5)
+    assert set(hot.tolist()) <= set(counts.sort(descending=True).indices[:20].tolist())
+    assert hot.tolist() != [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 50_000), alpha=st.floats(0.0, 2.0), head=st.integers(1, 64))
+def test_zipf_sampler_stays_in_range_and_its_probabilities_sum_to_one(n, alpha, head):
+    sampler = ZipfSampler(n, alpha, torch.device("cpu"), head=head)
+    ranks = sampler.sample(2000, torch.Generator().manual_seed(0))
+    assert int(ranks.min()) >= 0 and int(ranks.max()) < n
+    total = float(sampler.probability(torch.arange(n)).sum())
+    assert abs(total - 1.0) < 1e-6
+
+
+def test_shards_partition_the_global_batch():
+    tables = make_tables("mlperf_dcnv2", 8, scale=0.0001)
+    batch = SyntheticCriteo(tables, seed=0).batch(Stream.TRAIN, 0, 12)
+    shards = [batch.shard(r, 3) for r in range(3)]
+    assert torch.equal(torch.cat([s.labels for s in shards]), batch.labels)
+    for t in range(len(tables)):
+        joined = torch.cat([s.sparse.values[s.sparse.table_of_each_id() == t] for s in shards])
+        assert torch.equal(joined, batch.sparse.values[batch.sparse.table_of_each_id() == t])

@@ -1,0 +1,53 @@
+"""Cells run isolated: failures and timeouts are recorded, the run goes on, records persist."""
+
+import json
+
+import pytest
+
+from embbench.launch import run_cells
+from embbench.results import Record, load_records, write_record
+from embbench.scenario import parse_scenario
+from tests.conftest import tiny_scenario
+
+
+def test_a_failing_and_a_hanging_cell_are_recorded_and_the_next_cell_runs(tmp_path, plugin_path):
+    raw = tiny_scenario(
+        run={"time_limit_s": 20},
+        strategies=[{"name": "device"}, {"name": "raises"}, {"name": "sleeps"}, {"name": "cpu"}],
+    )
+    scenario, cells = parse_scenario(raw, "faulty.yaml")
+    records = run_cells(scenario, "faulty.yaml", cells, tmp_path)
+    status = {r.strategy: r for r in records}
+    assert status["device"].status == "ok" and status["cpu"].status == "ok"
+    assert status["raises"].status == "error"
+    assert "RuntimeError: boom from the faulty plugin" in status["raises"].message
+    assert status["sleeps"].status == "timeout" and "20 s" in status["sleeps"].message
+    on_disk = {r.cell_id: r.status for r in load_records(tmp_path)}
+    assert on_disk == {"device@w1": "ok", "raises@w1": "error", "sleeps@w1": "timeout", "cpu@w1": "ok"}
+    assert status["cpu"].metrics["max_weight_diff_vs_baseline"] < 1e-5
+
+
+def test_resume_skips_finished_cells(tmp_path):
+    raw = tiny_scenario()
+    scenario, cells = parse_scenario(raw, "tiny.yaml")
+    first = run_cells(scenario, "tiny.yaml", cells[:1], tmp_path)
+    started = []
+    second = run_cells(scenario, "tiny.yaml", cells, tmp_path, resume=True, on_start=started.append)
+    assert [c.id for c in started] == ["cpu@w1"]
+    assert second[0].provenance["date"] == first[0].provenance["date"]
+
+
+def test_a_record_round_trips_through_json(tmp_path):
+    record = Record(cell_id="x@w1", strategy="x", params={"a": 0.5}, world_size=1, status="ok", baseline="x",
+                    scenario={"name": "s"}, metrics={"throughput": {"mean": 1.0}}, provenance={"git": None})
+    path = write_record(tmp_path, "x", record)
+    assert load_records(path) == [record]
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+def test_unreadable_records_are_clear_errors(tmp_path):
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json: not valid JSON"):
+        load_records(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no result records"):
+        load_records(tmp_path / "empty")
