@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
 
 import torch
@@ -80,6 +81,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _type_name(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation))
+
+
 def cmd_strategies(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = Table(title=f"installed strategies (this machine: {device})", header_style="bold", show_lines=True)
@@ -87,7 +94,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         table.add_column(col)
     for name, cls in load_strategies().items():
         params = "\n".join(
-            f"{key}: {getattr(f.annotation, '__name__', str(f.annotation))} = {f.default!r}"
+            f"{key}: {_type_name(f.annotation)} = {f.default!r}"
             + (f"  [dim]{f.description}[/dim]" if f.description else "")
             for key, f in cls.Params.model_fields.items()
         ) or "-"

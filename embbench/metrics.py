@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes", "device_memory"]
+__all__ = ["belady_hit_rate", "StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes", "device_memory"]
 
 
 class StepTimer:
@@ -104,3 +104,48 @@ def device_memory(device: torch.device) -> dict[str, int | None]:
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
     }
+
+
+def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float | None:
+    """The best hit rate per access any policy could reach on this id stream (Belady's MIN).
+
+    Each step needs all its distinct rows resident at once; a miss is admitted, evicting
+    the cached row whose next use is farthest away (never one the step uses). Steps before
+    ``skip`` are simulated but not counted, so the bound covers the same window as the
+    cache it is compared with. Rows a step needs beyond the capacity count as misses.
+    """
+    import heapq
+
+    unique_counts = []
+    for ids in steps:
+        rows, counts = torch.unique(ids, return_counts=True)
+        unique_counts.append(dict(zip(rows.tolist(), counts.tolist())))
+    never = len(steps)
+    next_use: list[dict[int, int]] = [{} for _ in steps]
+    upcoming: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        for row in unique_counts[t]:
+            next_use[t][row] = upcoming.get(row, never)
+            upcoming[row] = t
+    cached: dict[int, int] = {}  # row -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, row); stale entries are skipped
+    hits = accesses = 0
+    for t, rows in enumerate(unique_counts):
+        counted = t >= skip
+        for row, count in rows.items():
+            if counted:
+                accesses += count
+            if row in cached:
+                hits += count if counted else 0
+                continue
+            while len(cached) >= capacity and heap:
+                neg_next, victim = heapq.heappop(heap)
+                if cached.get(victim) == -neg_next and -neg_next > t:
+                    del cached[victim]
+            if len(cached) < capacity:
+                cached[row] = t  # in use now: not evictable within this step
+        for row in rows:
+            if row in cached:
+                cached[row] = next_use[t][row]
+                heapq.heappush(heap, (-next_use[t][row], row))
+    return hits / accesses if accesses else None

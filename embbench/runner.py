@@ -97,7 +97,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     ctx = BuildContext(
         tables=tables, env=env, optimizer=scenario.optimizer.embedding, local_batch_size=local_batch,
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
-        train_batches=train_batches, process_group=process_group,
+        train_batches=train_batches, warmup_steps=run.warmup_steps, process_group=process_group,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)

@@ -97,6 +97,7 @@ class BuildContext:
             table ``t``'s initial weights (float32, on the CPU); every strategy starts from them.
         train_batches: ``train_batches(n)`` iterates over the first ``n`` training batches
             (this rank's share) for frequency statistics; evaluation data is never offered.
+        warmup_steps: training steps the harness runs before it measures.
         process_group: the torch.distributed group of the ranks, or None for one process.
     """
 
@@ -106,6 +107,7 @@ class BuildContext:
     local_batch_size: int
     init_weights: Callable[[int, int, int], Tensor]
     train_batches: Callable[[int], Iterator[Batch]]
+    warmup_steps: int = 0
     process_group: Any = None
 
     def initial_table(self, t: int) -> Tensor:

@@ -1,0 +1,168 @@
+"""freqcache against the whole-table reference: same outputs and weights, under any id
+stream, cache size, policy and prefetch setting; consistent counters and maps."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from pydantic import ValidationError
+
+from baselines.tables import WholeTables
+from embbench.cache import FreqCache, FreqCacheParams
+from embbench.data import SparseFeatures, TableSpec
+from embbench.metrics import belady_hit_rate
+from embbench.optim import EmbeddingOptimizer
+from embbench.runner import initial_weights
+from embbench.strategy import BuildContext, RuntimeEnv
+from tests.conftest import tiny_scenario, train_and_flush
+
+
+def _context(tables, opt, batches, warmup=0) -> BuildContext:
+    from embbench.data import Batch
+
+    def train_batches(n):
+        for f in batches[:n]:
+            yield Batch(torch.zeros(f.batch_size, 13), f, torch.zeros(f.batch_size))
+
+    return BuildContext(tables=tables, env=RuntimeEnv(torch.device("cpu")), optimizer=opt,
+                        local_batch_size=batches[0].batch_size,
+                        init_weights=lambda t, a, b: initial_weights(tables[t], t, 0, a, b),
+                        train_batches=train_batches, warmup_steps=warmup)
+
+
+def _train(module, batches, prefetch: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    outputs = []
+    for i, features in enumerate(batches):
+        out = module(features)
+        if prefetch and i + 1 < len(batches):
+            module.prefetch(batches[i + 1])
+        grad = torch.randn(out.shape, generator=g)
+        (out * grad).sum().backward()
+        outputs.append(out.detach())
+    return outputs
+
+
+@st.composite
+def streams(draw):
+    num_tables = draw(st.integers(1, 3))
+    rows = [draw(st.integers(1, 30)) for _ in range(num_tables)]
+    bags = [draw(st.integers(1, 3)) for _ in range(num_tables)]
+    batch = draw(st.integers(1, 6))
+    steps = draw(st.integers(1, 8))
+    hot = draw(st.integers(1, 4))  # a small pool of ids: heavy duplication
+    batches = []
+    for _ in range(steps):
+        values = []
+        for r, bag in zip(rows, bags):
+            values += [draw(st.integers(0, min(r, hot) - 1)) if draw(st.booleans()) else draw(st.integers(0, r - 1))
+                       for _ in range(batch * bag)]
+        lengths = torch.tensor([bag for bag in bags for _ in range(batch)])
+        batches.append(SparseFeatures(torch.tensor(values, dtype=torch.long), lengths, num_tables))
+    tables = [TableSpec(f"t{i}", r, 4, b, 1.0) for i, (r, b) in enumerate(zip(rows, bags))]
+    return tables, batches
+
+
+def _check_maps(cache: FreqCache) -> None:
+    c, n = cache.capacity, cache.num_rows
+    occupied = cache.slot_to_row[:c] < n
+    rows = cache.slot_to_row[:c][occupied]
+    assert torch.equal(cache.row_to_slot[rows], torch.arange(c)[occupied]), "row_to_slot is not slot_to_row's inverse"
+    assert int((cache.row_to_slot[:n] >= 0).sum()) == int(occupied.sum())
+
+
+@settings(max_examples=100, deadline=None)
+@given(stream=streams(), opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]),
+       ratio=st.sampled_from([1e-6, 0.1, 0.3, 1.0]), policy=st.sampled_from(["static", "lfu"]),
+       prefetch=st.booleans(), profile=st.integers(0, 2))
+def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, prefetch, profile):
+    tables, batches = stream
+    opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
+    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    params = FreqCacheParams(cache_ratio=ratio, policy=policy, prefetch=prefetch, profile_batches=profile, belady_steps=3)
+    cache = FreqCache(_context(tables, opt, batches), params)
+    expected = _train(reference, batches, prefetch=False)
+    got = _train(cache, batches, prefetch=prefetch)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    _check_maps(cache)
+    counters = cache.counters()
+    assert counters["hits"] + counters["misses"] == counters["accesses"] == sum(b.values.numel() for b in batches)
+    occupancy = int((cache.slot_to_row[: cache.capacity] < cache.num_rows).sum())
+    assert counters["rows_admitted"] - counters["rows_evicted"] == occupancy - cache.capacity
+    for a, b in zip(cache.flush(), reference.flush()):
+        torch.testing.assert_close(a, b)
+    assert not bool(cache.slot_dirty.any()), "flush left dirty rows"
+
+
+def test_a_batch_larger_than_the_cache_trains_through_the_bypass():
+    tables = [TableSpec("t0", 50, 4, 1, 1.0)]
+    batches = [SparseFeatures(torch.arange(40) % 50, torch.ones(40, dtype=torch.long), 1) for _ in range(3)]
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.2)
+    cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.1, profile_batches=1))
+    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    for a, b in zip(_train(cache, batches, True), _train(reference, batches, False)):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(cache.flush(), reference.flush()):
+        torch.testing.assert_close(a, b)
+    assert cache.counters()["accesses"] == 120 and cache.counters()["rows_admitted"] == 0
+
+
+def test_optimizer_state_travels_with_evicted_rows():
+    """Rows evicted and re-admitted keep their Adagrad accumulators (the published cache loses them)."""
+    tables = [TableSpec("t0", 8, 4, 1, 1.0)]
+    ids = [[0, 1], [2, 3], [0, 1], [4, 5], [0, 2]]
+    batches = [SparseFeatures(torch.tensor(i), torch.ones(2, dtype=torch.long), 1) for i in ids]
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.5)
+    cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.25, profile_batches=0, policy="static"))
+    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    _train(cache, batches, False)
+    _train(reference, batches, False)
+    assert cache.counters()["rows_evicted"] > 0 and cache.counters()["rows_written_back"] > 0
+    for a, b in zip(cache.flush(), reference.flush()):
+        torch.testing.assert_close(a, b)
+    host_state_by_row = torch.empty(8)
+    host_state_by_row[cache.row_of_rank] = cache.host_state[:8, 0]
+    torch.testing.assert_close(host_state_by_row, reference.store.state[:, 0])
+
+
+def test_prefetch_never_evicts_the_rows_the_current_step_uses():
+    """Static policy, rows ranked 0..9, 4 slots: batch 0 brings rows 8 and 9 in as the coldest
+    cached rows; prefetching batch 1 must evict other rows, not 8 and 9 before their update."""
+    tables = [TableSpec("t0", 10, 4, 1, 1.0)]
+    batches = [SparseFeatures(torch.tensor(ids), torch.ones(2, dtype=torch.long), 1) for ids in ([8, 9], [6, 7], [8, 9])]
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.5)
+    cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.4, profile_batches=0, policy="static"))
+    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    for a, b in zip(_train(cache, batches, True), _train(reference, batches, False)):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(cache.flush(), reference.flush()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("bad", [{"cache_ratio": 0}, {"cache_ratio": 1.5}, {"policy": "lru"}, {"profile_batches": -1}])
+def test_invalid_parameters_are_rejected(bad):
+    with pytest.raises(ValidationError):
+        FreqCacheParams(**bad)
+
+
+def test_belady_bound_on_a_known_stream():
+    steps = [torch.tensor(s) for s in ([1, 2], [3, 1], [2, 3], [1, 1])]
+    # capacity 2: step 0 misses 1, 2; step 1 hits 1 (in use, so 2 goes) and misses 3; step 2 hits 3,
+    # misses 2 and evicts 1 (used last); step 3 misses 1 twice: 2 hits of 8 accesses.
+    assert belady_hit_rate(steps, capacity=2) == pytest.approx(2 / 8)
+    # capacity 3: only the three compulsory misses.
+    assert belady_hit_rate(steps, capacity=3) == pytest.approx(5 / 8)
+    assert belady_hit_rate(steps, capacity=2, skip=2) == pytest.approx(1 / 4)
+
+
+def test_freqcache_in_the_runner_matches_device_and_reports_its_bound(tmp_path):
+    raw = tiny_scenario(run={"warmup_steps": 2, "steps": 4, "repeats": 2})
+    reference, _ = train_and_flush(raw, "device", tmp_path=tmp_path)
+    weights, metrics = train_and_flush(raw, "freqcache", {"cache_ratio": 0.05, "belady_steps": 6}, tmp_path=tmp_path)
+    for a, b in zip(weights, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    extra = metrics["extra"]
+    assert 0 < extra["window_hit_rate"] <= extra["belady_hit_rate"] + 1e-9 <= 1.0 + 1e-9
+    counters = metrics["counters"]["total"]
+    assert counters["hits"] + counters["misses"] == counters["accesses"]
+    assert metrics["counters"]["per_step"]["bytes_h2d"] > 0
