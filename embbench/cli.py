@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -46,10 +47,10 @@ def _dry_run(scenario, cells) -> None:
     for cell in cells:
         est = cell.make_strategy().estimate_memory(tables, scenario.optimizer.embedding, cell.world_size)
         if est is None:
-            grid.add_row(cell.id, "?", "?", "?")
+            grid.add_row(escape(cell.id), "?", "?", "?")
             continue
         fits = "?" if capacity is None else ("yes" if est.device_bytes <= capacity else "[red]no[/red]")
-        grid.add_row(cell.id, f"{est.device_bytes / 2**30:,.3f}", f"{(est.host_bytes + est.pinned_bytes) / 2**30:,.3f}", fits)
+        grid.add_row(escape(cell.id), f"{est.device_bytes / 2**30:,.3f}", f"{(est.host_bytes + est.pinned_bytes) / 2**30:,.3f}", fits)
     console.print(grid)
 
 
@@ -66,13 +67,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         task = progress.add_task("starting", total=len(cells))
 
         def on_start(cell):
-            progress.update(task, description=f"running {cell.id}")
+            progress.update(task, description=f"running {escape(cell.id)}")
 
         def on_done(cell, record):
             progress.advance(task)
             style = "green" if record.status == "ok" else "yellow" if record.status == "unsupported" else "red"
             first_line = (record.message or "").splitlines()[0] if record.message else ""
-            console.print(f"  [{style}]{record.status:>11}[/{style}]  {cell.id}  [dim]{first_line}[/dim]")
+            console.print(f"  [{style}]{record.status:>11}[/{style}]  {escape(cell.id)}  [dim]{escape(first_line)}[/dim]")
 
         records = run_cells(scenario, str(args.scenario), cells, out, resume=args.resume,
                             on_start=on_start, on_done=on_done)
@@ -99,7 +100,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
             for key, f in cls.Params.model_fields.items()
         ) or "-"
         reason = cls().unsupported_reason(RuntimeEnv(device))
-        table.add_row(name, cls.summary, params, "[green]yes[/green]" if reason is None else f"[yellow]no[/yellow]: {reason}")
+        table.add_row(name, escape(cls.summary), escape(params), "[green]yes[/green]" if reason is None else f"[yellow]no[/yellow]: {reason}")
     console.print(table)
     return 0
 

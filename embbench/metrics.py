@@ -107,12 +107,14 @@ def device_memory(device: torch.device) -> dict[str, int | None]:
 
 
 def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float | None:
-    """The best hit rate per access any policy could reach on this id stream (Belady's MIN).
+    """The hit rate per access of Belady's MIN on this id stream at this capacity.
 
-    Each step needs all its distinct rows resident at once; a miss is admitted, evicting
-    the cached row whose next use is farthest away (never one the step uses). Steps before
-    ``skip`` are simulated but not counted, so the bound covers the same window as the
-    cache it is compared with. Rows a step needs beyond the capacity count as misses.
+    Rows are counted once per step (a step's repeated ids of a row share its fate), MIN with
+    bypass: after each step the cache keeps the rows whose next use comes soonest, so a
+    missing row is admitted only in place of a cached row used later. This is the
+    optimum per distinct row and step; per access (weighted by repeats) it is MIN's choice,
+    a near-optimal bound. Steps before ``skip`` are simulated but not counted, so the bound
+    covers the same window as the cache it is compared with.
     """
     import heapq
 
@@ -132,20 +134,24 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float 
     hits = accesses = 0
     for t, rows in enumerate(unique_counts):
         counted = t >= skip
+        missing = []
         for row, count in rows.items():
-            if counted:
-                accesses += count
+            accesses += count if counted else 0
             if row in cached:
                 hits += count if counted else 0
-                continue
-            while len(cached) >= capacity and heap:
-                neg_next, victim = heapq.heappop(heap)
-                if cached.get(victim) == -neg_next and -neg_next > t:
-                    del cached[victim]
-            if len(cached) < capacity:
-                cached[row] = t  # in use now: not evictable within this step
-        for row in rows:
-            if row in cached:
                 cached[row] = next_use[t][row]
                 heapq.heappush(heap, (-next_use[t][row], row))
+            else:
+                missing.append(row)
+        # After the step the cache keeps the rows used soonest: admit a missing row only
+        # in place of a cached one used later (or into a free slot).
+        for row in sorted(missing, key=lambda r: next_use[t][r]):
+            if len(cached) >= capacity:
+                while cached.get(heap[0][1]) != -heap[0][0]:
+                    heapq.heappop(heap)  # stale
+                if -heap[0][0] <= next_use[t][row]:
+                    continue
+                del cached[heapq.heappop(heap)[1]]
+            cached[row] = next_use[t][row]
+            heapq.heappush(heap, (-next_use[t][row], row))
     return hits / accesses if accesses else None

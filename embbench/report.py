@@ -82,9 +82,9 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
         status = Text(r.status, style=_STATUS_STYLE.get(r.status, ""))
         if row is None:
             reason = (r.message or "").splitlines()[0][:80] if r.message else ""
-            table.add_row(r.cell_id, status, Text(reason, style="dim"), *[""] * (len(columns) - 1))
+            table.add_row(Text(r.cell_id), status, Text(reason, style="dim"), *[""] * (len(columns) - 1))
         else:
-            table.add_row(r.cell_id, status, *[row[c] for c in columns])
+            table.add_row(Text(r.cell_id), status, *[row[c] for c in columns])
     return table
 
 
@@ -93,4 +93,4 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
     console.print(comparison_table(records, title))
     for r in records:
         if r.status in ("error", "oom", "timeout") and r.message and "\n" in r.message:
-            console.print(f"[red]{r.cell_id}[/red]: {r.message}")
+            console.print(Text(f"{r.cell_id}: {r.message}", style="red"))

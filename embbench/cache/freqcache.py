@@ -38,7 +38,7 @@ from embbench.strategy import BuildContext, MemoryFootprint, RuntimeEnv, SparseM
 __all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy"]
 
 _COUNTER_NAMES = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted",
-                  "rows_evicted", "rows_written_back")
+                  "rows_evicted", "rows_written_back", "bytes_h2d", "bytes_d2h")
 
 
 class FreqCacheParams(StrategyParams):
@@ -222,7 +222,8 @@ class FreqCache(SparseModule):
             self._count(accesses=rows.numel(), unique_accesses=first.sum(), hits=(slot_before >= 0).sum(),
                 misses=(slot_before < 0).sum(),
                 unique_misses=num_missing, rows_admitted=num_missing, rows_evicted=evicted.sum(),
-                rows_written_back=write_back.sum())
+                rows_written_back=write_back.sum(), bytes_h2d=num_missing * self.row_bytes,
+                bytes_d2h=write_back.sum() * self.row_bytes)
         return self.row_to_slot[rows]
 
     def _fits(self, rows: Tensor) -> bool:
@@ -304,8 +305,10 @@ class FreqCache(SparseModule):
         self._bypassed = True
         if training:
             hits = (self.row_to_slot[rows] >= 0).sum()
+            from_host = (~store.cached).sum() * self.row_bytes  # gathered, then written back
             self._count(accesses=rows.numel(), unique_accesses=unique.numel(), hits=hits,
-                        misses=rows.numel() - hits, unique_misses=(~store.cached).sum())
+                        misses=rows.numel() - hits, unique_misses=(~store.cached).sum(),
+                        bytes_h2d=from_host, bytes_d2h=from_host)
             self._snapshot_window()
         return self._table_major(pooled_lookup(store, position, offsets, self.device), features)
 
@@ -322,10 +325,7 @@ class FreqCache(SparseModule):
     # -- reporting -----------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
-        values = dict(zip(_COUNTER_NAMES, self._counters.tolist()))
-        values["bytes_h2d"] = values["rows_admitted"] * self.row_bytes
-        values["bytes_d2h"] = values["rows_written_back"] * self.row_bytes
-        return values
+        return dict(zip(_COUNTER_NAMES, self._counters.tolist()))
 
     def memory(self) -> MemoryFootprint:
         device = sum(t.nbytes for t in (self.cache_weights, self.cache_state, self.slot_to_row, self.row_to_slot,
@@ -355,10 +355,11 @@ class FreqCache(SparseModule):
         """Belady's MIN on the recorded training id stream at this capacity, beside this
         cache's own hit rate on the same window of steps."""
         out: dict = {"capacity_rows": self.capacity, "policy": self.params.policy}
-        if self._window_start is None or self._window_end is None:
+        if self._window_start is None:
             return out
+        end = self._window_end if self._window_end is not None else self._counters  # a run shorter than the window
         stream = [r.cpu() for r in self._recorded]
-        window = dict(zip(_COUNTER_NAMES, (self._window_end - self._window_start).tolist()))
+        window = dict(zip(_COUNTER_NAMES, (end - self._window_start).tolist()))
         out.update(
             belady_hit_rate=belady_hit_rate(stream, self.capacity, skip=self._warmup_steps),
             window_hit_rate=window["hits"] / max(1, window["accesses"]),
