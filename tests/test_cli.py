@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from embbench.scenario import load_scenario
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,7 +22,9 @@ def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "device@w1" in proc.stdout and "cpu@w1" in proc.stdout and "samples/s" in proc.stdout
     records = sorted(out.glob("*.json"))
-    assert [p.stem for p in records] == ["cpu@w1", "device@w1"]
+    _, cells = load_scenario(ROOT / "scenarios/smoke.yaml")
+    assert sorted(p.stem for p in records) == sorted(c.slug for c in cells)
+    assert {"device", "cpu", "freqcache"} <= {c.strategy for c in cells}
     data = json.loads(records[0].read_text())
     assert data["status"] == "ok" and data["provenance"]["versions"]["torch"]
     assert data["scenario"]["config"]["run"]["steps"] == 3
@@ -31,7 +35,7 @@ def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path):
 def test_strategies_lists_the_installed_ones():
     proc = embbench("strategies")
     assert proc.returncode == 0
-    for name in ("device", "cpu"):
+    for name in ("device", "cpu", "freqcache", "cache_ratio"):
         assert name in proc.stdout
 
 
