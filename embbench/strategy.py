@@ -120,6 +120,11 @@ class SparseModule(torch.nn.Module, abc.ABC):
     ``forward`` returns ``[local_batch, num_tables * dim]`` on the compute device, table-major
     like torchrec's KeyedTensor. The embedding optimizer runs inside backward (or in
     :meth:`after_backward`); the harness's dense optimizer never sees embedding weights.
+
+    With several ranks each rank's loss is the mean over its share of the global batch and
+    DDP averages the dense gradients; a module averages the embedding gradients over the
+    ranks the same way (torchrec's all-to-all does, through its gradient division), so W
+    ranks train what one process trains on the global batch.
     """
 
     @abc.abstractmethod
