@@ -81,8 +81,7 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     for r, row in rows:
         status = Text(r.status, style=_STATUS_STYLE.get(r.status, ""))
         if row is None:
-            reason = (r.message or "").splitlines()[0][:80] if r.message else ""
-            table.add_row(Text(r.cell_id), status, Text(reason, style="dim"), *[""] * (len(columns) - 1))
+            table.add_row(Text(r.cell_id), status, *[""] * len(columns))
         else:
             table.add_row(Text(r.cell_id), status, *[row[c] for c in columns])
     return table
@@ -91,6 +90,6 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
 def print_comparison(records: list[Record], console: Console | None = None, title: str | None = None) -> None:
     console = console or Console()
     console.print(comparison_table(records, title))
-    for r in records:
-        if r.status in ("error", "oom", "timeout") and r.message and "\n" in r.message:
-            console.print(Text(f"{r.cell_id}: {r.message}", style="red"))
+    for r in records:  # why a cell has no numbers
+        if r.status != "ok" and r.message:
+            console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
