@@ -41,13 +41,15 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     mem = m["memory"]
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
     hit, bound = _get(m, "counters", "hit_rate"), _get(m, "extra", "belady_hit_rate")
+    unique_hit = _get(m, "counters", "unique_hit_rate")
     diff = m.get("max_weight_diff_vs_baseline")
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     return {
         "step ms\nmedian / p95": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
         "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else ""),
         "speedup": f"{rate / base:.2f}x" if base else "-",
-        "hit rate\n(bound)": "" if hit is None else _pct(hit) + (f" ({_pct(bound)})" if bound is not None else ""),
+        "hit rate\n(bound)": (_pct(hit) + (f" ({_pct(bound)})" if bound is not None else "") if hit is not None
+                               else f"{_pct(unique_hit)} uniq" if unique_hit is not None else ""),
         "H2D / D2H\nMiB/step": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
         "device MiB\nstatic / peak": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
@@ -73,7 +75,8 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     measured = [row for _, row in rows if row]
     columns = [c for c in (measured[0] if measured else {}) if any(row[c] for row in measured)]
     table = Table(title=title, header_style="bold",
-                  caption=f"speedup against {baseline_name}; hit rate per access, Belady's bound in brackets")
+                  caption=f"speedup against {baseline_name}; hit rate per access (per distinct row where only that "
+                          "is counted), Belady's bound in brackets")
     table.add_column("cell", no_wrap=True)
     table.add_column("status")
     for c in columns:

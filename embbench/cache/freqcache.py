@@ -382,8 +382,8 @@ class FreqCacheStrategy(Strategy):
         n = sum(t.num_rows for t in tables)
         row_bytes = (tables[0].dim + optimizer.state_width) * 4
         cached = max(1, math.ceil(self.params.cache_ratio * n))
-        # cache rows + slot maps, and the per-row maps (rank, slot, count) on the device
-        return MemoryFootprint(device_bytes=cached * (row_bytes + 10) + n * 24, host_bytes=n * row_bytes)
+        # cache rows + per-slot maps, and four int64 per-row maps (rank, row of rank, slot, count)
+        return MemoryFootprint(device_bytes=cached * (row_bytes + 10) + n * 32, host_bytes=n * row_bytes)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         return FreqCache(ctx, self.params)

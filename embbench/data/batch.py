@@ -33,8 +33,9 @@ class SparseFeatures:
     def table_of_each_id(self) -> Tensor:
         """For every entry of ``values``, the index of its table."""
         per_table = self.lengths.view(self.num_tables, -1).sum(1)
+        # output_size: no device-to-host read of the total on CUDA
         return torch.repeat_interleave(
-            torch.arange(self.num_tables, device=self.values.device), per_table
+            torch.arange(self.num_tables, device=self.values.device), per_table, output_size=self.values.numel()
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":

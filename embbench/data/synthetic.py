@@ -12,7 +12,6 @@ disjoint draws, and any batch can be regenerated without replaying the stream.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from enum import IntEnum
 
 import torch
@@ -164,9 +163,3 @@ class SyntheticCriteo:
         labels = (torch.rand(batch_size, generator=g, device=self.device, dtype=torch.float64) < torch.sigmoid(logit)).float()
         sparse = SparseFeatures(torch.cat(values), torch.cat(lengths), len(self.tables))
         return Batch(dense, sparse, labels)
-
-    def batches(self, stream: Stream, batch_size: int, start: int = 0, count: int | None = None) -> Iterator[Batch]:
-        index = start
-        while count is None or index < start + count:
-            yield self.batch(stream, index, batch_size)
-            index += 1
