@@ -84,7 +84,7 @@ class _BypassStore(RowStore):
 
     def __init__(self, cache: "FreqCache", rows: Tensor):
         c = cache
-        self.cache, self.slot = cache, c.row_to_slot[rows]
+        self.cache, self.slot = cache, c.row_to_slot[rows].long()
         self.cached = self.slot >= 0
         self.host_rows = rows[~self.cached].to(c.host_weights.device)
         weights = torch.empty(rows.numel(), c.cache_weights.shape[1], device=c.device)
@@ -125,13 +125,16 @@ class FreqCache(SparseModule):
             rows = self.space.global_rows(batch.sparse.to(self.device))
             counts.index_add_(0, rows, torch.ones_like(rows))
         order = torch.sort(counts, descending=True, stable=True).indices  # rank -> global row
-        self.rank_of_row = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=self.device))
-        self.row_of_rank = order
+        # Per-row maps are what a cache pays for every row of the tables: int32, and the
+        # inverse permutation (needed only to flush) on the host.
+        self.rank_of_row = torch.empty(n, dtype=torch.int32, device=self.device)
+        self.rank_of_row[order] = torch.arange(n, dtype=torch.int32, device=self.device)
+        self.row_of_rank = order.cpu()
 
         # Host copy in rank order, plus one trash row at index n.
         self.host_weights = _alloc_host((n + 1, dim), self.device)
         self.host_state = _alloc_host((n + 1, width), self.device)
-        order_cpu = order.cpu()
+        order_cpu = self.row_of_rank
         initial = torch.cat([ctx.initial_table(t) for t in range(len(ctx.tables))])
         for lo in range(0, n, 1 << 20):  # chunks keep the temporary small
             hi = min(n, lo + (1 << 20))
@@ -142,11 +145,12 @@ class FreqCache(SparseModule):
         self.cache_weights = torch.zeros(c + 1, dim, device=self.device)
         self.cache_state = torch.zeros(c + 1, width, device=self.device)
         self.slot_to_row = torch.full((c + 1,), n, dtype=torch.long, device=self.device)
-        self.row_to_slot = torch.full((n + 1,), -1, dtype=torch.long, device=self.device)
+        self.row_to_slot = torch.full((n + 1,), -1, dtype=torch.int32, device=self.device)
         self.slot_dirty = torch.zeros(c + 1, dtype=torch.bool, device=self.device)
         self.slot_protected = torch.zeros(c + 1, dtype=torch.bool, device=self.device)
         # LFU counts live per row, so they survive eviction; the trash row counts -1.
-        self.row_counts = torch.cat([counts[order], counts.new_full((1,), -1)])
+        self.row_counts = torch.cat([counts[order], counts.new_full((1,), -1)]) if params.policy == "lfu" else None
+        del counts, order
         self._counters = torch.zeros(len(_COUNTER_NAMES), dtype=torch.long, device=self.device)
         self.store = _CacheStore(self)
 
@@ -155,7 +159,7 @@ class FreqCache(SparseModule):
         self.cache_weights[:c] = self.host_weights[:c].to(self.device)
         self.cache_state[:c] = self.host_state[:c].to(self.device)
         self.slot_to_row[:c] = hot
-        self.row_to_slot[:c] = hot
+        self.row_to_slot[:c] = hot.to(torch.int32)
 
         self._prefetched: tuple[int, Tensor] | None = None
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -188,7 +192,7 @@ class FreqCache(SparseModule):
         sorted_rows, _ = rows.sort()
         first = torch.ones_like(sorted_rows, dtype=torch.bool)
         first[1:] = sorted_rows[1:] != sorted_rows[:-1]
-        slot_before = self.row_to_slot[sorted_rows]
+        slot_before = self.row_to_slot[sorted_rows].long()
         missing = first & (slot_before < 0)
 
         in_use = self.slot_protected.clone()
@@ -213,7 +217,7 @@ class FreqCache(SparseModule):
         self.cache_weights.index_copy_(0, slot, self.host_weights[load_host].to(self.device))
         self.cache_state.index_copy_(0, slot, self.host_state[load_host].to(self.device))
         self.slot_to_row[slot] = load
-        self.row_to_slot[load] = slot
+        self.row_to_slot[load] = slot.to(torch.int32)
         self.slot_dirty[slot] = False
         self.row_to_slot[n], self.slot_to_row[c] = -1, n  # the trash stays trash
 
@@ -224,7 +228,7 @@ class FreqCache(SparseModule):
                 unique_misses=num_missing, rows_admitted=num_missing, rows_evicted=evicted.sum(),
                 rows_written_back=write_back.sum(), bytes_h2d=num_missing * self.row_bytes,
                 bytes_d2h=write_back.sum() * self.row_bytes)
-        return self.row_to_slot[rows]
+        return self.row_to_slot[rows].long()
 
     def _fits(self, rows: Tensor) -> bool:
         """Whether the distinct rows of ``rows`` fit the unprotected slots. Free of host
@@ -237,7 +241,8 @@ class FreqCache(SparseModule):
     def _observe(self, rows: Tensor) -> None:
         """A training batch, seen once, when it is first resolved (in forward or prefetch):
         LFU counts, the recorded stream for the Belady bound, and its counter window."""
-        self.row_counts.index_add_(0, rows, torch.ones_like(rows))
+        if self.row_counts is not None:
+            self.row_counts.index_add_(0, rows, torch.ones_like(rows))
         step = self._observed
         self._observed += 1
         window = range(self._warmup_steps, self._warmup_steps + self.params.belady_steps)
@@ -251,7 +256,7 @@ class FreqCache(SparseModule):
     # -- the SparseModule interface ------------------------------------------------------------
 
     def _ranked_rows(self, features: SparseFeatures) -> Tensor:
-        return self.rank_of_row[self.space.global_rows(features.to(self.device))]
+        return self.rank_of_row[self.space.global_rows(features.to(self.device))].long()
 
     def forward(self, features: SparseFeatures) -> Tensor:
         training = torch.is_grad_enabled()
@@ -263,7 +268,7 @@ class FreqCache(SparseModule):
         self._protected_bound = 0
         if prefetched is not None and prefetched[0] == id(features.values):
             rows = prefetched[1]
-            slots = self.row_to_slot[rows]
+            slots = self.row_to_slot[rows].long()
         else:
             rows = self._ranked_rows(features)
             if training:
@@ -329,9 +334,9 @@ class FreqCache(SparseModule):
 
     def memory(self) -> MemoryFootprint:
         device = sum(t.nbytes for t in (self.cache_weights, self.cache_state, self.slot_to_row, self.row_to_slot,
-                                        self.slot_dirty, self.slot_protected, self.row_counts, self.rank_of_row,
-                                        self.row_of_rank))
-        host = self.host_weights.nbytes + self.host_state.nbytes
+                                        self.slot_dirty, self.slot_protected, self.rank_of_row)
+                     ) + (self.row_counts.nbytes if self.row_counts is not None else 0)
+        host = self.host_weights.nbytes + self.host_state.nbytes + self.row_of_rank.nbytes
         if self.device.type == "cuda":
             return MemoryFootprint(device_bytes=device, pinned_bytes=host)
         return MemoryFootprint(device_bytes=device, host_bytes=host)
@@ -348,7 +353,7 @@ class FreqCache(SparseModule):
         self.slot_dirty.zero_()
         by_rank = self.host_weights[:n].cpu()
         full = torch.empty_like(by_rank)
-        full[self.row_of_rank.cpu()] = by_rank
+        full[self.row_of_rank] = by_rank
         return [t.clone() for t in self.space.split(full)]
 
     def extra_metrics(self) -> dict:
@@ -382,8 +387,9 @@ class FreqCacheStrategy(Strategy):
         n = sum(t.num_rows for t in tables)
         row_bytes = (tables[0].dim + optimizer.state_width) * 4
         cached = max(1, math.ceil(self.params.cache_ratio * n))
-        # cache rows + per-slot maps, and four int64 per-row maps (rank, row of rank, slot, count)
-        return MemoryFootprint(device_bytes=cached * (row_bytes + 10) + n * 32, host_bytes=n * row_bytes)
+        # cache rows + per-slot maps; per row: int32 rank and slot, and an int64 count for lfu
+        per_row = 8 + (8 if self.params.policy == "lfu" else 0)
+        return MemoryFootprint(device_bytes=cached * (row_bytes + 10) + n * per_row, host_bytes=n * (row_bytes + 8))
 
     def build(self, ctx: BuildContext) -> SparseModule:
         return FreqCache(ctx, self.params)
