@@ -15,7 +15,8 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.embedding import RowSpace, RowStore, pooled_lookup
 from embbench.optim import EmbeddingOptimizer
-from embbench.strategy import BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy
+from embbench.sharding import TableWiseSharded
+from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy
 
 
 class WholeTables(SparseModule):
@@ -57,39 +58,35 @@ class WholeTables(SparseModule):
         return [t.cpu().clone() for t in self.space.split(self.store.weights)]
 
 
-def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer) -> int:
-    return sum(t.num_rows * (t.dim + optimizer.state_width) * 4 for t in tables)
+def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> int:
+    """Per rank, with the tables spread over the ranks (roughly: placement is by table)."""
+    return sum(t.num_rows * (t.dim + optimizer.state_width) * 4 for t in tables) // world_size
 
 
-def _single_process(env: RuntimeEnv) -> str | None:
-    if env.world_size > 1:
-        return "keeps whole tables in one process; for several ranks use gpu_sharded or freqcache"
-    return None
+def _whole_tables(ctx: BuildContext, on_host: bool) -> SparseModule:
+    """One rank holds everything; several ranks own whole tables each (table-wise)."""
+    if ctx.env.world_size == 1:
+        return WholeTables(ctx, on_host)
+    return TableWiseSharded(ctx, lambda local: WholeTables(local, on_host))
 
 
 class DeviceStrategy(Strategy):
     name = "device"
-    summary = "every table in device memory (the reference for equivalence)"
-
-    def unsupported_reason(self, env: RuntimeEnv) -> str | None:
-        return _single_process(env)
+    summary = "every table in device memory (the reference for equivalence); table-wise over ranks"
 
     def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer))
+        return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer, world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        return WholeTables(ctx, on_host=False)
+        return _whole_tables(ctx, on_host=False)
 
 
 class CpuStrategy(Strategy):
     name = "cpu"
-    summary = "tables on the host: CPU lookups and updates, pooled rows to the device"
-
-    def unsupported_reason(self, env: RuntimeEnv) -> str | None:
-        return _single_process(env)
+    summary = "tables on the host: CPU lookups and updates, pooled rows to the device; table-wise over ranks"
 
     def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer))
+        return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer, world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        return WholeTables(ctx, on_host=True)
+        return _whole_tables(ctx, on_host=True)

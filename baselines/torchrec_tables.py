@@ -147,6 +147,13 @@ class TorchrecTables(SparseModule):
     def counters(self) -> dict[str, int]:
         return {"accesses": self._accesses}
 
+    def extra_metrics(self) -> dict:
+        """The plan: each table's sharding type, kernel and ranks."""
+        return {"plan": {
+            name: {"sharding": p.sharding_type, "kernel": p.compute_kernel, "ranks": p.ranks}
+            for module_plan in self.plan.plan.values() for name, p in module_plan.items()
+        }}
+
     def _tbes(self):
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
@@ -279,4 +286,5 @@ class _UvmCacheTables(TorchrecTables):
         return total
 
     def extra_metrics(self) -> dict:
-        return {"capacity_rows": sum(int(t.lxu_cache_weights.shape[0]) for t in self._tbes())}
+        return {**super().extra_metrics(),
+                "capacity_rows": sum(int(t.lxu_cache_weights.shape[0]) for t in self._tbes())}

@@ -106,7 +106,7 @@ def device_memory(device: torch.device) -> dict[str, int | None]:
     }
 
 
-def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float | None:
+def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0, prefilled: bool = False) -> float | None:
     """The hit rate per access of Belady's MIN on this id stream at this capacity.
 
     Rows are counted once per step (a step's repeated ids of a row share its fate), MIN with
@@ -114,7 +114,9 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float 
     missing row is admitted only in place of a cached row used later. This is the
     optimum per distinct row and step; per access (weighted by repeats) it is MIN's choice,
     a near-optimal bound. Steps before ``skip`` are simulated but not counted, so the bound
-    covers the same window as the cache it is compared with.
+    covers the same window as the cache it is compared with. ``prefilled``: the cache
+    starts full of the best rows for free (as a cache preloaded at warm-up does), i.e. a
+    row that finds a free slot counts as a hit.
     """
     import heapq
 
@@ -134,7 +136,7 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float 
     hits = accesses = 0
     for t, rows in enumerate(unique_counts):
         counted = t >= skip
-        missing = []
+        missing: list[int] = []
         for row, count in rows.items():
             accesses += count if counted else 0
             if row in cached:
@@ -146,6 +148,8 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0) -> float 
         # After the step the cache keeps the rows used soonest: admit a missing row only
         # in place of a cached one used later (or into a free slot).
         for row in sorted(missing, key=lambda r: next_use[t][r]):
+            if len(cached) < capacity and prefilled and counted:
+                hits += rows[row]
             if len(cached) >= capacity:
                 while cached.get(heap[0][1]) != -heap[0][0]:
                     heapq.heappop(heap)  # stale

@@ -45,6 +45,7 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     diff = m.get("max_weight_diff_vs_baseline")
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     return {
+        "ranks": str(r.world_size),
         "step ms\nmedian / p95": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
         "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else ""),
         "speedup": f"{rate / base:.2f}x" if base else "-",
@@ -52,6 +53,7 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
                                else f"{_pct(unique_hit)} uniq" if unique_hit is not None else ""),
         "H2D / D2H\nMiB/step": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
+        "comm\nMiB/step": f"{per_step['bytes_comm'] / 2**20:,.2f}" if per_step.get("bytes_comm") else "",
         "device MiB\nstatic / peak": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
         "host MiB": _mib(mem["static_host_bytes"] + mem["pinned_bytes"]),
         "AUC": "-" if auc is None else f"{auc:.4f}",
@@ -75,8 +77,8 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     measured = [row for _, row in rows if row]
     columns = [c for c in (measured[0] if measured else {}) if any(row[c] for row in measured)]
     table = Table(title=title, header_style="bold",
-                  caption=f"speedup against {baseline_name}; hit rate per access (per distinct row where only that "
-                          "is counted), Belady's bound in brackets")
+                  caption=f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
+                          "where only that is counted), Belady's bound in brackets; device MiB: the largest rank")
     table.add_column("cell", no_wrap=True)
     table.add_column("status")
     for c in columns:

@@ -172,20 +172,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             weights_file = weights_path.name
 
     footprint = sparse.memory()
-    return {
-        "device": str(device),
-        "samples_per_step": global_batch,
-        "measured_steps": measured_steps,
-        "warmup_steps": run.warmup_steps,
-        "build_seconds": build_seconds,
-        "step_time_s": summarize(step_seconds),
-        "throughput": {
-            "unit": "samples/s",
-            "per_repeat": repeat_throughput,
-            "mean": sum(repeat_throughput) / len(repeat_throughput),
-            "ci95": confidence_interval(repeat_throughput),
-        },
-        "generator_samples_per_s": generator_rate,
+    this_rank = {
+        "rank": env.rank,
         "memory": {
             "static_device_bytes": footprint.device_bytes,
             "static_host_bytes": footprint.host_bytes,
@@ -193,15 +181,62 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             "peak_rss_bytes": peak_rss_bytes(),
             **device_memory(device),
         },
+        "counters": counters,
+        "extra": sparse.extra_metrics(),
+    }
+    ranks = _gather_objects(this_rank, env, process_group)
+    total = {k: sum(r["counters"].get(k, 0) for r in ranks) for k in ranks[0]["counters"]}
+    return {
+        "device": str(device),
+        "world_size": env.world_size,
+        "samples_per_step": global_batch,
+        "measured_steps": measured_steps,
+        "warmup_steps": run.warmup_steps,
+        "build_seconds": build_seconds,
+        "step_time_s": summarize(step_seconds),
+        "throughput": {
+            "unit": "samples/s (global)",
+            "per_repeat": repeat_throughput,
+            "mean": sum(repeat_throughput) / len(repeat_throughput),
+            "ci95": confidence_interval(repeat_throughput),
+        },
+        "generator_samples_per_s": generator_rate,
+        # what must fit on each device: the largest rank; and what the job holds in all
+        "memory": {**_combine(ranks, max), "sum": _combine(ranks, sum)},
         "accuracy": accuracy,
         "counters": {
-            "total": counters,
-            "per_step": {k: v / measured_steps for k, v in counters.items()},
-            **_derived_rates(counters),
+            "total": total,
+            "per_step": {k: v / measured_steps for k, v in total.items()},
+            **_derived_rates(total),
         },
-        "extra": sparse.extra_metrics(),
+        "extra": _combine_extra([r["extra"] for r in ranks]),
+        "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
         "weights_file": weights_file,
     }
+
+
+def _gather_objects(obj: dict, env: RuntimeEnv, group: Any) -> list[dict]:
+    if env.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _combine(ranks: list[dict], how) -> dict[str, int | None]:
+    keys = ranks[0]["memory"]
+    return {k: None if ranks[0]["memory"][k] is None else how(r["memory"][k] for r in ranks) for k in keys}
+
+
+def _combine_extra(extras: list[dict]) -> dict:
+    """Rank 0's extra metrics; a cache bound over all ranks, weighted by their accesses."""
+    combined = dict(extras[0])
+    if len(extras) > 1 and all("belady_hit_rate" in e and e.get("window_accesses") for e in extras):
+        accesses = sum(e["window_accesses"] for e in extras)
+        for key in ("belady_hit_rate", "window_hit_rate"):
+            combined[key] = sum(e[key] * e["window_accesses"] for e in extras) / accesses
+        combined["window_accesses"] = accesses
+    return combined
 
 
 def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:

@@ -155,6 +155,8 @@ def test_belady_bound_on_a_known_stream():
     assert belady_hit_rate(steps, capacity=2, skip=2) == pytest.approx(2 / 4)
     # capacity 1: keeps 1 (hit at step 1), then 3 (hit at step 2), bypasses the rest.
     assert belady_hit_rate(steps, capacity=1) == pytest.approx(2 / 8)
+    # prefilled (as after a warm-up preload): 1 and 2 were there already: 5 hits of 8.
+    assert belady_hit_rate(steps, capacity=2, prefilled=True) == pytest.approx(5 / 8)
 
 
 @settings(max_examples=50, deadline=None)

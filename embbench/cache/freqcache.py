@@ -33,7 +33,8 @@ from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, pooled_lookup
 from embbench.metrics import belady_hit_rate
 from embbench.optim import EmbeddingOptimizer
-from embbench.strategy import BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams
+from embbench.sharding import TableWiseSharded
+from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
 
 __all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy"]
 
@@ -366,8 +367,9 @@ class FreqCache(SparseModule):
         stream = [r.cpu() for r in self._recorded]
         window = dict(zip(_COUNTER_NAMES, (end - self._window_start).tolist()))
         out.update(
-            belady_hit_rate=belady_hit_rate(stream, self.capacity, skip=self._warmup_steps),
+            belady_hit_rate=belady_hit_rate(stream, self.capacity, skip=self._warmup_steps, prefilled=True),
             window_hit_rate=window["hits"] / max(1, window["accesses"]),
+            window_accesses=window["accesses"],
             belady_window=[self._warmup_steps, len(stream)],
         )
         return out
@@ -378,18 +380,17 @@ class FreqCacheStrategy(Strategy):
     summary = "frequency-aware software cache: host tables, the hottest rows (and their optimizer state) on the device"
     Params = FreqCacheParams
 
-    def unsupported_reason(self, env: RuntimeEnv) -> str | None:
-        if env.world_size > 1:
-            return "multi-process freqcache (table-wise placement) is not implemented yet"
-        return None
-
     def estimate_memory(self, tables, optimizer, world_size):
         n = sum(t.num_rows for t in tables)
         row_bytes = (tables[0].dim + optimizer.state_width) * 4
+        n = n // world_size  # per rank, roughly: placement is by table
         cached = max(1, math.ceil(self.params.cache_ratio * n))
         # cache rows + per-slot maps; per row: int32 rank and slot, and an int64 count for lfu
         per_row = 8 + (8 if self.params.policy == "lfu" else 0)
         return MemoryFootprint(device_bytes=cached * (row_bytes + 10) + n * per_row, host_bytes=n * (row_bytes + 8))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        return FreqCache(ctx, self.params)
+        if ctx.env.world_size == 1:
+            return FreqCache(ctx, self.params)
+        # Each rank owns and caches whole tables, sized by the same ratio of its rows.
+        return TableWiseSharded(ctx, lambda local: FreqCache(local, self.params))
