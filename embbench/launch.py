@@ -106,12 +106,13 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 time.sleep(0.05)
         finally:
             _kill(procs)  # reaps everything, also on KeyboardInterrupt
-        errors = sorted(tmp_dir.glob("error.rank*.json"))
+        errors = [(json.loads(p.read_text()), p.stem.removeprefix("error.rank")) for p in tmp_dir.glob("error.rank*.json")]
         if errors:
-            error = json.loads(errors[0].read_text())
-            rank = errors[0].stem.removeprefix("error.rank")
+            # The first failure is the cause; the peers then fail in their collectives.
+            error, rank = min(errors, key=lambda e: e[0]["time"])
             prefix = f"rank {rank}: " if cell.world_size > 1 else ""
-            return CellOutcome(error["status"], f"{prefix}{error['type']}: {error['message']}", None)
+            others = f" (then {len(errors) - 1} more rank(s) failed)" if len(errors) > 1 else ""
+            return CellOutcome(error["status"], f"{prefix}{error['type']}: {error['message']}{others}", None)
         failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
         if failed:
             rank, code = failed[0]

@@ -284,15 +284,21 @@ def main(spec_path: str) -> int:
     except BaseException as exc:  # recorded for the launcher, then a non-zero exit
         (result_path.parent / f"error.rank{rank}.json").write_text(json.dumps({
             "status": _classify(exc), "type": type(exc).__name__, "message": str(exc),
-            "traceback": traceback.format_exc(),
+            "traceback": traceback.format_exc(), "time": time.time(),
         }))
         traceback.print_exc()
         code = 1
     finally:
         if group is not None and dist.is_initialized() and code == 0:
+            dist.barrier(group=group)  # no rank tears down while another still talks
             dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo's threads can abort it ("terminate called without an
+    # active exception") after everything is written, which would read as a crashed rank.
+    os._exit(code)

@@ -80,3 +80,30 @@ def plugin_path(tmp_path, monkeypatch):
     load_strategies.cache_clear()
     yield site
     load_strategies.cache_clear()
+
+
+@pytest.fixture
+def rank_plugin(tmp_path, monkeypatch):
+    """A strategy that raises on rank 1 only, installed like a third party's."""
+    site = tmp_path / "ranksite"
+    info = site / "rank_plugin-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rank-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[embbench.strategies]\nrank1_raises = rank_plugin:Rank1Raises\n")
+    (site / "rank_plugin.py").write_text(textwrap.dedent("""
+        from baselines.tables import DeviceStrategy
+
+        class Rank1Raises(DeviceStrategy):
+            name = "rank1_raises"
+            summary = "fails on rank 1 while the others wait in a collective"
+            def build(self, ctx):
+                if ctx.env.rank == 1:
+                    raise RuntimeError("rank 1 gives up")
+                return super().build(ctx)
+        """))
+    import os
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    load_strategies.cache_clear()
+    yield site
+    load_strategies.cache_clear()

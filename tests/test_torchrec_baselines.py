@@ -1,5 +1,5 @@
-"""The ecosystem baselines: torchrec's sharded tables on CPU (1 and 2 gloo processes)
-against the device reference, and fbgemm's UVM strategies' mapping without CUDA."""
+"""The ecosystem baselines: torchrec's sharded tables on CPU against the device reference
+(several processes: test_multiprocess.py), and fbgemm's UVM strategies' mapping without CUDA."""
 
 import pytest
 import torch
@@ -7,8 +7,6 @@ from pydantic import ValidationError
 
 from baselines.torchrec_tables import (FBGEMM_CACHE_ASSOC, UvmCacheParams, UvmCacheStrategy, UvmStrategy,
                                        counters_from_uvm_cache_stats, fbgemm_cache_rows)
-from embbench.launch import run_cells
-from embbench.scenario import parse_scenario
 from embbench.strategy import RuntimeEnv
 from tests.conftest import tiny_scenario, train_and_flush
 
@@ -25,22 +23,6 @@ def test_gpu_sharded_one_process_equals_device(tmp_path, opt_type, sharding):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert metrics["accuracy"]["logloss"] == pytest.approx(ref_metrics["accuracy"]["logloss"], rel=1e-4)
     assert metrics["memory"]["static_device_bytes"] >= sum(w.numel() * 4 for w in weights)
-
-
-@pytest.mark.parametrize("opt_type", ["sgd", "rowwise_adagrad"])
-def test_gpu_sharded_two_processes_equal_one_process_device(tmp_path, opt_type):
-    raw = tiny_scenario(
-        optimizer={"embedding": {"type": opt_type, "lr": 0.1}},
-        run={"world_size": [1, 2]},
-        strategies=[{"name": "device"}, {"name": "gpu_sharded", "params": {"sharding": "table_wise"}}],
-    )
-    scenario, cells = parse_scenario(raw, "two.yaml")
-    records = {r.cell_id: r for r in run_cells(scenario, "two.yaml", cells, tmp_path)}
-    assert records["device@w2"].status == "unsupported"
-    two = records["gpu_sharded[sharding=table_wise]@w2"]
-    assert two.status == "ok", two.message
-    assert two.metrics["max_weight_diff_vs_baseline"] < 1e-5
-    assert records["gpu_sharded[sharding=table_wise]@w1"].metrics["max_weight_diff_vs_baseline"] < 1e-5
 
 
 def test_uvm_strategies_say_why_they_cannot_run_without_cuda():

@@ -1,0 +1,87 @@
+"""Several ranks (gloo processes on the CPU): every strategy trains what one process trains,
+failures end the cell cleanly, and the 8-rank scenario runs end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embbench.launch import run_cells
+from embbench.scenario import parse_scenario
+from embbench.sharding import plan_table_wise
+from embbench.data import make_tables
+from tests.conftest import tiny_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = [
+    {"name": "device"},
+    {"name": "cpu"},
+    {"name": "freqcache", "params": {"cache_ratio": 0.05}},
+    {"name": "gpu_sharded", "params": {"sharding": "table_wise"}},
+]
+
+
+@pytest.mark.parametrize("opt_type", ["sgd", "rowwise_adagrad"])
+def test_two_ranks_train_what_one_process_trains(tmp_path, opt_type):
+    raw = tiny_scenario(optimizer={"embedding": {"type": opt_type, "lr": 0.1}}, run={"world_size": [1, 2]},
+                        strategies=STRATEGIES)
+    scenario, cells = parse_scenario(raw, "two.yaml")
+    records = run_cells(scenario, "two.yaml", cells, tmp_path)
+    assert [r.status for r in records] == ["ok"] * len(cells), [(r.cell_id, r.message) for r in records]
+    baseline = records[0]
+    assert baseline.cell_id == "device@w1"
+    for r in records[1:]:
+        assert r.metrics["max_weight_diff_vs_baseline"] < 1e-5, r.cell_id
+        assert r.metrics["accuracy"]["auc"] == pytest.approx(baseline.metrics["accuracy"]["auc"], abs=1e-3)
+    two = {r.strategy: r for r in records if r.world_size == 2}
+    assert len(two["freqcache"].metrics["per_rank"]) == 2
+    assert two["freqcache"].metrics["counters"]["total"]["bytes_comm"] > 0
+    memory = two["device"].metrics["memory"]
+    assert memory["sum"]["static_device_bytes"] >= memory["static_device_bytes"] > 0
+
+
+def test_four_ranks_end_to_end(tmp_path):
+    raw = tiny_scenario(run={"world_size": [1, 4], "steps": 2, "repeats": 1},
+                        strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.05}}])
+    scenario, cells = parse_scenario(raw, "four.yaml")
+    cells = [c for c in cells if c.id in ("device@w1", "freqcache[cache_ratio=0.05]@w4")]
+    records = run_cells(scenario, "four.yaml", cells, tmp_path)
+    four = records[1]
+    assert four.status == "ok", four.message
+    assert four.metrics["max_weight_diff_vs_baseline"] < 1e-5
+    owned = sorted(t for r in four.metrics["per_rank"] for t in r["extra"]["tables_owned"])
+    assert owned == list(range(26))
+
+
+def test_a_rank_that_raises_fails_its_cell_and_the_next_cell_runs(tmp_path, rank_plugin):
+    raw = tiny_scenario(run={"world_size": 2, "time_limit_s": 60},
+                        strategies=[{"name": "rank1_raises"}, {"name": "cpu"}], baseline="cpu")
+    scenario, cells = parse_scenario(raw, "ranks.yaml")
+    records = {r.strategy: r for r in run_cells(scenario, "ranks.yaml", cells, tmp_path)}
+    assert records["rank1_raises"].status == "error"
+    assert records["rank1_raises"].message.startswith("rank 1: RuntimeError: rank 1 gives up")
+    assert records["cpu"].status == "ok"
+
+
+def test_table_wise_plan_gives_every_rank_a_table_and_balances_the_large_ones():
+    tables = make_tables("criteo_1tb", 16)
+    owner = plan_table_wise(tables, 8)
+    assert set(owner) == set(range(8))
+    load = [sum(t.num_rows for t, o in zip(tables, owner) if o == r) for r in range(8)]
+    assert max(load) == max(t.num_rows for t in tables)  # the largest table alone sets the peak
+    with pytest.raises(ValueError, match="needs a table per rank"):
+        plan_table_wise(tables[:3], 4)
+
+
+@pytest.mark.slow
+def test_criteo_8gpu_scenario_runs_on_eight_cpu_processes(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "embbench.cli", "run", "scenarios/criteo_8gpu.yaml", "--scale", "0.0001",
+         "--steps", "1", "--strategies", "freqcache,uvm", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "freqcache[cache_ratio=0.015,policy=lfu]@w8" in proc.stdout
+    assert "uvm@w8: unsupported: needs CUDA" in proc.stdout
+    assert len(list(tmp_path.glob("*.json"))) == 4
