@@ -1,4 +1,4 @@
-"""``embbench run | strategies | show``."""
+"""``embbench run | strategies | show | project``."""
 
 from __future__ import annotations
 
@@ -111,6 +111,32 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_project(args: argparse.Namespace) -> int:
+    from embbench.projection import DEFAULT_LINKS_GBPS, project
+    from embbench.scenario import parse_scenario
+
+    worlds = [int(w) for w in args.worlds.split(",")]
+    links = dict(DEFAULT_LINKS_GBPS)
+    if args.links:
+        links = {k: float(v) for k, v in (item.split("=") for item in args.links.split(","))}
+    records = [r for r in load_records(Path(args.results)) if r.status == "ok"]
+    if not records:
+        raise ValueError(f"{args.results}: no finished (ok) cells to project from")
+    table = Table(title="PROJECTION — a model (embbench/projection.py), not a measurement", header_style="bold",
+                  caption="t(W, bw) = (T0 - S0) * W0 / W + C(W) / bw + 4 * latency; T0: measured median step, "
+                          "S0: its time in collectives, C: bytes the busiest rank sends per step")
+    for col in ["measured cell", "W0", "T0 ms", "world", "link", "GB/s", "step ms", "samples/s"]:
+        table.add_column(col, justify="left" if col in ("measured cell", "link") else "right")
+    for record in records:
+        scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
+        t0 = record.metrics["step_time_s"]["median"] * 1e3
+        for row in project(record, scenario.tables(), worlds, links, args.latency_us * 1e-6):
+            table.add_row(escape(record.cell_id), str(record.world_size), f"{t0:,.2f}", str(row["world_size"]),
+                          row["link"], f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
+    console.print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embbench", description="Benchmark embedding-table placement strategies.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print the comparison table of a (partial) run")
     show.add_argument("results", help="a run directory or one record file")
     show.set_defaults(func=cmd_show)
+    proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
+    proj.add_argument("results", help="a run directory or one record file")
+    proj.add_argument("--worlds", default="1,2,4,8", help="world sizes to project (default 1,2,4,8)")
+    proj.add_argument("--links", help="name=GB/s,... per-rank link bandwidths (default nvlink, pcie5, net400, net100)")
+    proj.add_argument("--latency-us", type=float, default=0.0, help="latency per collective (4 per step), microseconds")
+    proj.set_defaults(func=cmd_project)
     return parser
 
 

@@ -14,6 +14,8 @@ step, as in torchrec's input distribution); the owner's module keeps its own gua
 from __future__ import annotations
 
 import dataclasses
+import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -83,6 +85,8 @@ class TableWiseSharded(SparseModule):
         ]).to(self.device)
         self._local_batch = ctx.local_batch_size
         self._bytes_comm = 0
+        self._comm_seconds = 0.0  # CPU: wall time in collectives
+        self._comm_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: read lazily
         self._exchanged: tuple[int, SparseFeatures] | None = None
 
         mine = self.mine
@@ -100,6 +104,24 @@ class TableWiseSharded(SparseModule):
 
     # -- exchanges -------------------------------------------------------------------------
 
+    @contextmanager
+    def _timed_comm(self):
+        """Time spent in collectives, without adding a host synchronisation on CUDA."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._comm_events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._comm_seconds += time.perf_counter() - t0
+
+    def _all_to_all(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        with self._timed_comm():
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+
     def _exchange_ids(self, features: SparseFeatures) -> SparseFeatures:
         """This rank's samples of every table -> the global batch of the tables it owns."""
         t_all, b = features.num_tables, features.batch_size
@@ -114,14 +136,13 @@ class TableWiseSharded(SparseModule):
         value_splits = [sum(per_table_host[t] for t in self.owned[r]) for r in range(self.world)]
         length_splits = [len(self.owned[r]) * b for r in range(self.world)]
         recv_lengths = lengths.new_empty(len(self.mine) * b * self.world)
-        dist.all_to_all_single(recv_lengths, send_lengths, [len(self.mine) * b] * self.world, length_splits,
-                               group=self.group)
+        self._all_to_all(recv_lengths, send_lengths, [len(self.mine) * b] * self.world, length_splits)
         # ids received from each rank, per owned table: sizes from the received lengths
         block = recv_lengths.view(self.world, len(self.mine), b)
         sizes = block.sum(2)  # [source rank, my table]
         sizes_host = sizes.tolist()
         recv_values = features.values.new_empty(int(sum(map(sum, sizes_host))))
-        dist.all_to_all_single(recv_values, send_values, [sum(s) for s in sizes_host], value_splits, group=self.group)
+        self._all_to_all(recv_values, send_values, [sum(s) for s in sizes_host], value_splits)
         pieces = torch.split(recv_values, [n for row in sizes_host for n in row])
         values = torch.cat([pieces[s * len(self.mine) + i] for i in range(len(self.mine)) for s in range(self.world)])
         self._bytes_comm += 8 * (send_values.numel() - value_splits[self.rank] + send_lengths.numel() - length_splits[self.rank])
@@ -131,8 +152,7 @@ class TableWiseSharded(SparseModule):
         b, d = self._local_batch, self.dim
         send = pooled_mine.reshape(self.world, b, len(self.mine) * d).contiguous()
         recv = pooled_mine.new_empty(sum(b * len(o) * d for o in self.owned))
-        dist.all_to_all_single(recv, send.view(-1), [b * len(o) * d for o in self.owned],
-                               [b * len(self.mine) * d] * self.world, group=self.group)
+        self._all_to_all(recv, send.view(-1), [b * len(o) * d for o in self.owned], [b * len(self.mine) * d] * self.world)
         blocks = torch.split(recv, [b * len(o) * d for o in self.owned])
         grouped = torch.cat([blk.view(b, len(o) * d) for blk, o in zip(blocks, self.owned)], dim=1)
         self._bytes_comm += 4 * (send.numel() - send[self.rank].numel())
@@ -145,8 +165,7 @@ class TableWiseSharded(SparseModule):
         blocks = torch.split(grouped, [len(o) * d for o in self.owned], dim=1)
         send = torch.cat([blk.reshape(-1) for blk in blocks])
         recv = grad.new_empty(self.world * b * len(self.mine) * d)
-        dist.all_to_all_single(recv, send, [b * len(self.mine) * d] * self.world,
-                               [b * len(o) * d for o in self.owned], group=self.group)
+        self._all_to_all(recv, send, [b * len(self.mine) * d] * self.world, [b * len(o) * d for o in self.owned])
         self._bytes_comm += 4 * (send.numel() - blocks[self.rank].numel())
         return recv.view(self.world * b, len(self.mine) * d) / self.world
 
@@ -170,7 +189,8 @@ class TableWiseSharded(SparseModule):
         self.local.after_backward()
 
     def counters(self) -> dict[str, int]:
-        return {**self.local.counters(), "bytes_comm": self._bytes_comm}
+        comm_us = self._comm_seconds * 1e6 + sum(s.elapsed_time(e) * 1e3 for s, e in self._comm_events)
+        return {**self.local.counters(), "bytes_comm": self._bytes_comm, "comm_us": int(comm_us)}
 
     def memory(self) -> MemoryFootprint:
         return self.local.memory()

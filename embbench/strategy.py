@@ -42,6 +42,8 @@ COUNTERS = {
     "rows_evicted": "rows removed from the cache",
     "bytes_h2d": "bytes moved host -> device (rows, state, pooled embeddings)",
     "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
+    "bytes_comm": "bytes this rank sent to other ranks (ids, pooled rows, their gradients)",
+    "comm_us": "microseconds this rank spent in those collectives",
 }
 
 

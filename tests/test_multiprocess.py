@@ -85,3 +85,26 @@ def test_criteo_8gpu_scenario_runs_on_eight_cpu_processes(tmp_path):
     assert "freqcache[cache_ratio=0.015,policy=lfu]@w8" in proc.stdout
     assert "uvm@w8: unsupported: needs CUDA" in proc.stdout
     assert len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_projection_counts_the_bytes_a_measured_run_sent_and_reproduces_its_step_time(tmp_path):
+    """The model's communication term equals what the ranks really sent, and at the measured
+    point with the measured bandwidth it gives back the measured step time."""
+    from embbench.projection import comm_bytes_per_rank, project
+
+    raw = tiny_scenario(run={"world_size": 2, "steps": 3, "repeats": 1},
+                        strategies=[{"name": "freqcache", "params": {"cache_ratio": 0.05}}], baseline="freqcache")
+    scenario, cells = parse_scenario(raw, "proj.yaml")
+    (record,) = run_cells(scenario, "proj.yaml", cells, tmp_path)
+    assert record.status == "ok", record.message
+    m = record.metrics
+    steps = m["measured_steps"]
+    sent = [r["counters"]["bytes_comm"] / steps for r in m["per_rank"]]
+    assert sent == comm_bytes_per_rank(scenario.tables(), scenario.data.batch_size, 2)
+    busiest = max(range(2), key=lambda r: m["per_rank"][r]["counters"]["comm_us"])
+    seconds = m["per_rank"][busiest]["counters"]["comm_us"] / 1e6 / steps
+    measured_gbps = max(sent) / seconds / 1e9
+    (row,) = project(record, scenario.tables(), [2], {"measured": measured_gbps})
+    assert row["step_s"] == pytest.approx(m["step_time_s"]["median"], rel=1e-6)
+    faster = project(record, scenario.tables(), [2, 4], {"x": measured_gbps * 10})
+    assert faster[0]["step_s"] < row["step_s"] and faster[1]["comm_bytes_per_rank"] > 0
