@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from embbench.launch import run_cells
+from embbench.launch import launched_by_torchrun, run_cells, run_cells_in_job
 from embbench.report import print_comparison
 from embbench.results import load_records
 from embbench.runner import resolve_device
@@ -75,8 +75,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             first_line = (record.message or "").splitlines()[0] if record.message else ""
             console.print(f"  [{style}]{record.status:>11}[/{style}]  {escape(cell.id)}  [dim]{escape(first_line)}[/dim]")
 
-        records = run_cells(scenario, str(args.scenario), cells, out, resume=args.resume,
-                            on_start=on_start, on_done=on_done)
+        run = run_cells_in_job if launched_by_torchrun() else run_cells
+        records = run(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=on_start, on_done=on_done)
+    if not records:
+        return 0  # a torchrun rank other than 0: rank 0 prints
     print_comparison(records, console, title=scenario.name)
     console.print(f"records: {out}")
     return 0

@@ -132,8 +132,18 @@ def _max_weight_diff(a: Path, b: Path) -> float:
 
 def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path, resume: bool = False,
               on_start: Callable[[Cell], None] | None = None,
-              on_done: Callable[[Cell, Record], None] | None = None) -> list[Record]:
-    """Run every cell (the baseline's first), writing each record as soon as it ends."""
+              on_done: Callable[[Cell, Record], None] | None = None,
+              execute: Callable[[Cell, Path | None], CellOutcome] | None = None,
+              write: bool = True) -> list[Record]:
+    """Run every cell (the baseline's first), writing each record as soon as it ends.
+
+    ``execute`` runs one cell (default: its own processes on this host, see
+    :func:`run_isolated`); ``write`` is False on the ranks of a torchrun job other than 0.
+    """
+    if execute is None:
+        def execute(cell: Cell, weights: Path | None) -> CellOutcome:
+            return _outcome_without_launch(scenario, cell) or run_isolated(
+                scenario, scenario_file, cell, out_dir / "logs", weights)
     done: dict[str, Record] = {}
     if resume and out_dir.exists() and any(out_dir.glob("*.json")):
         done = {r.cell_id: r for r in load_records(out_dir) if r.status in ("ok", "unsupported")}
@@ -149,24 +159,84 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
         else:
             if on_start:
                 on_start(cell)
-            outcome = _outcome_without_launch(scenario, cell)
-            weights_path = weights_dir / f"{cell.slug}.pt" if compare else None
-            if outcome is None:
-                outcome = run_isolated(scenario, scenario_file, cell, out_dir / "logs", weights_path)
+            outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
             record = Record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
                             status=outcome.status, message=outcome.message, baseline=scenario.baseline,
                             scenario=scenario_info, metrics=outcome.metrics, provenance=provenance())
-        if record.status == "ok" and compare and record.metrics.get("weights_file"):
+        if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             mine = weights_dir / record.metrics["weights_file"]
             if cell.strategy == scenario.baseline and baseline_weights is None:
                 baseline_weights = mine
             if baseline_weights is not None and mine.exists() and baseline_weights.exists():
                 record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, baseline_weights)
-        write_record(out_dir, cell.slug, record)
+        if write:
+            write_record(out_dir, cell.slug, record)
         records.append(record)
         if on_done:
             on_done(cell, record)
     return records
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a job that torchrun (torch.distributed.run) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_cells_in_job(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path,
+                     resume: bool = False, on_start: Callable[[Cell], None] | None = None,
+                     on_done: Callable[[Cell, Record], None] | None = None) -> list[Record]:
+    """Under torchrun (one host or several): this process is one rank of the job, and every
+    rank runs each cell of the job's world size here, in step with the others.
+
+    torchrun owns the processes, so a cell is not isolated: a rank that fails records its
+    error, a rank stuck in a collective gives up after the cell's time limit (the process
+    group's timeout), and the ranks agree on the first failure. Rank 0 writes the records.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from embbench.runner import _classify, run_cell
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = resolve_device(scenario.run.device, int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=scenario.run.time_limit_s))
+    env = RuntimeEnv(device, world, rank)
+
+    def execute(cell: Cell, weights: Path | None) -> CellOutcome:
+        if cell.world_size != world:
+            return CellOutcome("unsupported", f"this torchrun job has {world} ranks; the cell needs {cell.world_size}", None)
+        reason = cell.make_strategy().unsupported_reason(env)
+        if reason:
+            return CellOutcome("unsupported", reason, None)
+        metrics, mine = None, {"status": "ok"}
+        try:
+            metrics = run_cell(scenario, cell, env, weights, dist.group.WORLD)
+        except Exception as exc:
+            mine = {"status": _classify(exc), "message": f"rank {rank}: {type(exc).__name__}: {exc}", "time": time.time()}
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        failures = [o for o in everyone if o["status"] != "ok"]
+        if failures:
+            first = min(failures, key=lambda o: o["time"])
+            return CellOutcome(first["status"], first["message"], None)
+        return CellOutcome("ok", None, metrics)
+
+    # Only rank 0 sees its run directory: it decides what --resume skips, for every rank.
+    skip = [None]
+    if rank == 0 and resume and out_dir.exists() and any(out_dir.glob("*.json")):
+        skip = [{r.cell_id for r in load_records(out_dir) if r.status in ("ok", "unsupported")}]
+    dist.broadcast_object_list(skip, src=0)
+    todo = [c for c in cells if c.id not in (skip[0] or set())]
+    try:
+        run_cells(scenario, scenario_file, todo, out_dir, execute=execute, write=rank == 0,
+                  on_start=on_start if rank == 0 else None, on_done=on_done if rank == 0 else None)
+    finally:
+        dist.destroy_process_group()
+    return load_records(out_dir) if rank == 0 else []
 
 
 def _outcome_without_launch(scenario, cell) -> CellOutcome | None:

@@ -6,8 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from embbench.launch import run_cells
+from embbench.results import load_records
 from embbench.scenario import parse_scenario
 from embbench.sharding import plan_table_wise
 from embbench.data import make_tables
@@ -108,3 +110,24 @@ def test_projection_counts_the_bytes_a_measured_run_sent_and_reproduces_its_step
     assert row["step_s"] == pytest.approx(m["step_time_s"]["median"], rel=1e-6)
     faster = project(record, scenario.tables(), [2, 4], {"x": measured_gbps * 10})
     assert faster[0]["step_s"] < row["step_s"] and faster[1]["comm_bytes_per_rank"] > 0
+
+
+def test_under_torchrun_every_rank_runs_the_cells_of_the_job_size(tmp_path):
+    """`torchrun ... -m embbench.cli run`: cells of the job's world size run in the ranks,
+    others are recorded as unsupported, rank 0 writes and prints."""
+    raw = tiny_scenario(run={"world_size": [1, 2]},
+                        strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.05}}])
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "embbench.cli", "run",
+         str(path), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r.cell_id: r for r in load_records(out)}
+    assert records["device@w1"].status == "unsupported"
+    assert "this torchrun job has 2 ranks" in records["device@w1"].message
+    assert records["device@w2"].status == records["freqcache[cache_ratio=0.05]@w2"].status == "ok"
+    assert records["freqcache[cache_ratio=0.05]@w2"].metrics["max_weight_diff_vs_baseline"] < 1e-5
+    assert proc.stdout.count("freqcache[cache_ratio=0.05]@w2") >= 1
