@@ -28,7 +28,8 @@ class WholeTables(SparseModule):
         self.on_host = on_host
         self.compute = ctx.env.device
         self.storage = storage = torch.device("cpu") if on_host else self.compute
-        weights = torch.cat([ctx.initial_table(t) for t in range(len(ctx.tables))]).to(storage)
+        weights = torch.empty(self.space.num_rows, self.space.dim, device=storage)
+        self.space.fill_initial(weights, ctx.init_weights)
         self.store = RowStore(weights, ctx.optimizer.new_state(self.space.num_rows, storage), ctx.optimizer)
         self._counts = {"accesses": 0, "bytes_h2d": 0, "bytes_d2h": 0}
         self._remote = storage != self.compute

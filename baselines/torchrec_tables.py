@@ -132,8 +132,10 @@ class TorchrecTables(SparseModule):
             for i, weight in self._sharded_weights():
                 for shard in weight.local_shards():
                     (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    block = ctx.init_weights(i, row, row + rows)[:, col : col + cols]
-                    shard.tensor.copy_(block.to(shard.tensor.device))
+                    for lo in range(0, rows, 1 << 20):  # a chunk at a time: no second copy of a table
+                        hi = min(rows, lo + (1 << 20))
+                        block = ctx.init_weights(i, row + lo, row + hi)[:, col : col + cols]
+                        shard.tensor[lo:hi].copy_(block.to(shard.tensor.device))
 
     def forward(self, features: SparseFeatures) -> Tensor:
         self._accesses += features.values.numel()

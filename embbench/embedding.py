@@ -36,6 +36,24 @@ class RowSpace:
             self._starts_on[device] = self.starts.to(device)
         return features.values + self._starts_on[device][features.table_of_each_id()]
 
+    def fill_initial(self, out: Tensor, init_weights, position=None, chunk: int = 1 << 20) -> None:
+        """Write every table's initial weights into ``out`` (``[num_rows, dim]``), a chunk
+        of rows at a time so that no second copy of the tables is ever held.
+
+        Args:
+            init_weights: ``init_weights(t, start, stop)`` as in BuildContext.
+            position: maps global rows (a CPU tensor) to rows of ``out``; identity if None.
+        """
+        for t, table in enumerate(self.tables):
+            start = int(self.starts[t])
+            for lo in range(0, table.num_rows, chunk):
+                hi = min(table.num_rows, lo + chunk)
+                block = init_weights(t, lo, hi).to(out.device)
+                if position is None:
+                    out[start + lo : start + hi] = block
+                else:
+                    out[position(torch.arange(start + lo, start + hi)).to(out.device)] = block
+
     def split(self, full: Tensor) -> list[Tensor]:
         """A ``[num_rows, ...]`` tensor cut into one piece per table."""
         return list(torch.split(full, [t.num_rows for t in self.tables]))

@@ -112,9 +112,6 @@ class BuildContext:
     warmup_steps: int = 0
     process_group: Any = None
 
-    def initial_table(self, t: int) -> Tensor:
-        return self.init_weights(t, 0, self.tables[t].num_rows)
-
 
 class SparseModule(torch.nn.Module, abc.ABC):
     """Maps a batch's sparse features to pooled embeddings and trains them.

@@ -135,12 +135,9 @@ class FreqCache(SparseModule):
         # Host copy in rank order, plus one trash row at index n.
         self.host_weights = _alloc_host((n + 1, dim), self.device)
         self.host_state = _alloc_host((n + 1, width), self.device)
-        order_cpu = self.row_of_rank
-        initial = torch.cat([ctx.initial_table(t) for t in range(len(ctx.tables))])
-        for lo in range(0, n, 1 << 20):  # chunks keep the temporary small
-            hi = min(n, lo + (1 << 20))
-            self.host_weights[lo:hi] = initial[order_cpu[lo:hi]].to(self.host_weights.device)
-        del initial
+        rank_of_row_host = self.rank_of_row.cpu()
+        self.space.fill_initial(self.host_weights, ctx.init_weights, position=lambda rows: rank_of_row_host[rows].long())
+        del rank_of_row_host
 
         # Device side: C slots plus a trash slot at index c.
         self.cache_weights = torch.zeros(c + 1, dim, device=self.device)
