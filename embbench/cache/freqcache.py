@@ -228,13 +228,13 @@ class FreqCache(SparseModule):
                 bytes_d2h=write_back.sum() * self.row_bytes)
         return self.row_to_slot[rows].long()
 
-    def _fits(self, rows: Tensor) -> bool:
+    def _fits(self, rows: Tensor, may_sync: bool = True) -> bool:
         """Whether the distinct rows of ``rows`` fit the unprotected slots. Free of host
-        synchronisation when even all ids would fit; else one count is read."""
+        synchronisation when even all ids would fit; else one count is read (if allowed)."""
         free = self.capacity - self._protected_bound
         if rows.numel() <= free:
             return True
-        return int(torch.unique(rows).numel()) <= free
+        return may_sync and int(torch.unique(rows).numel()) <= free
 
     def _observe(self, rows: Tensor) -> None:
         """A training batch, seen once, when it is first resolved (in forward or prefetch):
@@ -286,8 +286,10 @@ class FreqCache(SparseModule):
         if not self.params.prefetch or self._bypassed:
             return  # after a bypass, an admitted row could be staler than its host copy
         rows = self._ranked_rows(features)
-        if not self._fits(rows):
-            return  # it will be resolved (or bypassed) in its own forward
+        if not self._fits(rows, may_sync=False):
+            # Only when both batches' ids fit for sure: a host read here would stall the
+            # step mid-way. The batch is then admitted (or bypassed) in its own forward.
+            return
         self._observe(rows)
         if self._side_stream is None:
             self._admit(rows, count=True)
