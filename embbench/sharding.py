@@ -87,7 +87,7 @@ class TableWiseSharded(SparseModule):
         self._bytes_comm = 0
         self._comm_seconds = 0.0  # CPU: wall time in collectives
         self._comm_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: read lazily
-        self._exchanged: tuple[int, SparseFeatures] | None = None
+        self._exchanged: tuple[Tensor, SparseFeatures] | None = None  # the prefetched batch
 
         mine = self.mine
 
@@ -172,8 +172,9 @@ class TableWiseSharded(SparseModule):
     # -- SparseModule ----------------------------------------------------------------------
 
     def _global_features(self, features: SparseFeatures) -> SparseFeatures:
-        if self._exchanged is not None and self._exchanged[0] == id(features.values):
-            return self._exchanged[1]
+        exchanged, self._exchanged = self._exchanged, None
+        if exchanged is not None and exchanged[0] is features.values:
+            return exchanged[1]
         return self._exchange_ids(features.to(self.device))
 
     def forward(self, features: SparseFeatures) -> Tensor:
@@ -182,7 +183,7 @@ class TableWiseSharded(SparseModule):
 
     def prefetch(self, features: SparseFeatures) -> None:
         exchanged = self._exchange_ids(features.to(self.device))
-        self._exchanged = (id(features.values), exchanged)
+        self._exchanged = (features.values, exchanged)  # the tensor itself: an id() could be reused
         self.local.prefetch(exchanged)
 
     def after_backward(self) -> None:

@@ -188,3 +188,17 @@ def test_freqcache_in_the_runner_matches_device_and_reports_its_bound(tmp_path):
     counters = metrics["counters"]["total"]
     assert counters["hits"] + counters["misses"] == counters["accesses"]
     assert metrics["counters"]["per_step"]["bytes_h2d"] > 0
+
+
+def test_a_prefetched_batch_that_is_never_used_does_not_stand_in_for_another():
+    """Training ends with the next batch prefetched; evaluation then sends other batches,
+    which must be looked up themselves (even if the dropped batch's memory is reused)."""
+    tables = [TableSpec("t0", 20, 4, 1, 1.0)]
+    opt = EmbeddingOptimizer(type="sgd", lr=0.1)
+    batches = [SparseFeatures(torch.tensor([i, i + 1]), torch.ones(2, dtype=torch.long), 1) for i in range(4)]
+    cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.5, profile_batches=0))
+    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    cache.prefetch(SparseFeatures(torch.tensor([5, 6]), torch.ones(2, dtype=torch.long), 1))
+    with torch.no_grad():
+        for features in batches:
+            torch.testing.assert_close(cache(features), reference(features))

@@ -159,7 +159,7 @@ class FreqCache(SparseModule):
         self.slot_to_row[:c] = hot
         self.row_to_slot[:c] = hot.to(torch.int32)
 
-        self._prefetched: tuple[int, Tensor] | None = None
+        self._prefetched: tuple[Tensor, Tensor] | None = None  # (the batch's ids, their rows)
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._protected_bound = 0  # ids of the batch whose slots are protected
         self._bypassed = False
@@ -264,7 +264,7 @@ class FreqCache(SparseModule):
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         self.slot_protected.zero_()
         self._protected_bound = 0
-        if prefetched is not None and prefetched[0] == id(features.values):
+        if prefetched is not None and prefetched[0] is features.values:
             rows = prefetched[1]
             slots = self.row_to_slot[rows].long()
         else:
@@ -299,7 +299,7 @@ class FreqCache(SparseModule):
                 self._admit(rows, count=True)
             rows.record_stream(self._side_stream)
         self._snapshot_window()
-        self._prefetched = (id(features.values), rows)
+        self._prefetched = (features.values, rows)  # the tensor itself: an id() could be reused
 
     def _bypass(self, features: SparseFeatures, rows: Tensor, offsets: Tensor, training: bool) -> Tensor:
         """A batch whose distinct rows exceed the free slots: train it from where its rows are."""
