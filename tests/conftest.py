@@ -46,19 +46,27 @@ def train_and_flush(raw: dict, strategy: str, params: dict | None = None, tmp_pa
     return torch.load(weights), metrics
 
 
+def _install_plugin(site: Path, name: str, entry_points: dict[str, str], source: str, monkeypatch) -> None:
+    """A package with ``embbench.strategies`` entry points (a dist-info on the path), as a
+    third party installs one, visible to this process and the ones it starts."""
+    import os
+
+    info = site / f"{name}-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0\n")
+    lines = "".join(f"{key} = {value}\n" for key, value in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[embbench.strategies]\n{lines}")
+    (site / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    load_strategies.cache_clear()
+
+
 @pytest.fixture
 def plugin_path(tmp_path, monkeypatch):
-    """Installs test-only strategies through a real entry point (a dist-info on the path),
-    the way a third-party package registers, for this process and the ones it starts."""
-    site = tmp_path / "site"
-    (site / "faulty_plugin-0.0.dist-info").mkdir(parents=True)
-    (site / "faulty_plugin-0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-plugin\nVersion: 0.0\n")
-    (site / "faulty_plugin-0.0.dist-info" / "entry_points.txt").write_text(textwrap.dedent("""
-        [embbench.strategies]
-        raises = faulty_plugin:Raises
-        sleeps = faulty_plugin:Sleeps
-        """))
-    (site / "faulty_plugin.py").write_text(textwrap.dedent("""
+    """Test-only strategies that fail: one raises while building, one never finishes."""
+    _install_plugin(tmp_path / "site", "faulty_plugin",
+                    {"raises": "faulty_plugin:Raises", "sleeps": "faulty_plugin:Sleeps"}, """
         import time
         from embbench.strategy import Strategy
 
@@ -73,24 +81,15 @@ def plugin_path(tmp_path, monkeypatch):
             summary = "never finishes building"
             def build(self, ctx):
                 time.sleep(3600)
-        """))
-    monkeypatch.syspath_prepend(str(site))
-    import os
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    load_strategies.cache_clear()
-    yield site
+        """, monkeypatch)
+    yield
     load_strategies.cache_clear()
 
 
 @pytest.fixture
 def rank_plugin(tmp_path, monkeypatch):
-    """A strategy that raises on rank 1 only, installed like a third party's."""
-    site = tmp_path / "ranksite"
-    info = site / "rank_plugin-0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rank-plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[embbench.strategies]\nrank1_raises = rank_plugin:Rank1Raises\n")
-    (site / "rank_plugin.py").write_text(textwrap.dedent("""
+    """A strategy that raises on rank 1 only, while the other ranks wait in a collective."""
+    _install_plugin(tmp_path / "ranksite", "rank_plugin", {"rank1_raises": "rank_plugin:Rank1Raises"}, """
         from baselines.tables import DeviceStrategy
 
         class Rank1Raises(DeviceStrategy):
@@ -100,10 +99,6 @@ def rank_plugin(tmp_path, monkeypatch):
                 if ctx.env.rank == 1:
                     raise RuntimeError("rank 1 gives up")
                 return super().build(ctx)
-        """))
-    import os
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    load_strategies.cache_clear()
-    yield site
+        """, monkeypatch)
+    yield
     load_strategies.cache_clear()

@@ -51,3 +51,16 @@ def test_unreadable_records_are_clear_errors(tmp_path):
         load_records(tmp_path)
     with pytest.raises(FileNotFoundError, match="no result records"):
         load_records(tmp_path / "empty")
+
+
+def test_a_plugin_that_is_not_a_strategy_is_rejected_naming_it(tmp_path, monkeypatch):
+    from embbench.strategy import load_strategies
+    from tests.conftest import _install_plugin
+
+    _install_plugin(tmp_path / "bad", "bad_plugin", {"bad": "bad_plugin:NotAStrategy"},
+                    "class NotAStrategy:\n    pass\n", monkeypatch)
+    try:
+        with pytest.raises(TypeError, match=r"strategy 'bad' \(bad_plugin:NotAStrategy\) is not a subclass"):
+            load_strategies()
+    finally:
+        load_strategies.cache_clear()
