@@ -14,6 +14,7 @@ step, as in torchrec's input distribution); the owner's module keeps its own gua
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -127,10 +128,9 @@ class TableWiseSharded(SparseModule):
         t_all, b = features.num_tables, features.batch_size
         lengths = features.lengths.view(t_all, b)
         per_table = lengths.sum(1)
-        starts = torch.cumsum(per_table, 0) - per_table
         send_lengths = torch.cat([lengths[self.owned[r]].reshape(-1) for r in range(self.world)])
-        per_table_host = per_table.tolist()  # the host needs the split sizes
-        starts_host = starts.tolist()
+        per_table_host = per_table.tolist()  # the host needs the split sizes (one read)
+        starts_host = [0, *itertools.accumulate(per_table_host)]
         send_values = torch.cat([features.values[starts_host[t] : starts_host[t] + per_table_host[t]]
                                  for r in range(self.world) for t in self.owned[r]])
         value_splits = [sum(per_table_host[t] for t in self.owned[r]) for r in range(self.world)]

@@ -40,6 +40,7 @@ COUNTERS = {
     "unique_misses": "distinct rows fetched into the cache",
     "rows_admitted": "rows copied into the cache",
     "rows_evicted": "rows removed from the cache",
+    "rows_written_back": "evicted or flushed rows that were updated, copied back to the host",
     "bytes_h2d": "bytes moved host -> device (rows, state, pooled embeddings)",
     "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
     "bytes_comm": "bytes this rank sent to other ranks (ids, pooled rows, their gradients)",

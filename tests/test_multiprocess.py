@@ -12,6 +12,7 @@ from embbench.launch import run_cells
 from embbench.results import load_records
 from embbench.scenario import parse_scenario
 from embbench.sharding import plan_table_wise
+from embbench.strategy import COUNTERS
 from embbench.data import make_tables
 from tests.conftest import tiny_scenario
 
@@ -33,6 +34,8 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, opt_type):
     assert [r.status for r in records] == ["ok"] * len(cells), [(r.cell_id, r.message) for r in records]
     baseline = records[0]
     assert baseline.cell_id == "device@w1"
+    for r in records:
+        assert set(r.metrics["counters"]["total"]) <= set(COUNTERS), r.cell_id  # the shared vocabulary
     for r in records[1:]:
         assert r.metrics["max_weight_diff_vs_baseline"] < 1e-5, r.cell_id
         assert r.metrics["accuracy"]["auc"] == pytest.approx(baseline.metrics["accuracy"]["auc"], abs=1e-3)

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from baselines.torchrec_tables import (FBGEMM_CACHE_ASSOC, UvmCacheParams, UvmCacheStrategy, UvmStrategy,
                                        counters_from_uvm_cache_stats, fbgemm_cache_rows)
-from embbench.strategy import RuntimeEnv
+from embbench.strategy import COUNTERS, RuntimeEnv
 from tests.conftest import tiny_scenario, train_and_flush
 
 CPU = RuntimeEnv(torch.device("cpu"))
@@ -46,5 +46,6 @@ def test_fbgemm_cache_holds_whole_sets():
 def test_fbgemm_uvm_cache_stats_map_onto_embbench_counters():
     # calls, requested, unique, unique misses, conflict unique misses, conflict misses
     counters = counters_from_uvm_cache_stats([3, 1000, 400, 50, 10, 12], row_bytes=516)
+    assert set(counters) <= set(COUNTERS)
     assert counters == {"accesses": 1000, "unique_accesses": 400, "unique_misses": 50, "rows_admitted": 40,
                         "bytes_h2d": 50 * 516}
