@@ -13,7 +13,7 @@ from torch import Tensor
 
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
-from embbench.embedding import RowSpace, RowStore, pooled_lookup
+from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy
@@ -44,9 +44,7 @@ class WholeTables(SparseModule):
             # ids go to the host; pooled rows come back; their gradients go to the host.
             self._counts["bytes_d2h"] += (rows.numel() + offsets.numel()) * 8 + pooled_bytes * self.space.dim * 4
             self._counts["bytes_h2d"] += pooled_bytes * self.space.dim * 4
-        pooled = pooled_lookup(self.store, rows, offsets, self.compute)
-        batch = features.batch_size
-        return pooled.view(features.num_tables, batch, -1).transpose(0, 1).reshape(batch, -1)
+        return per_sample(pooled_lookup(self.store, rows, offsets, self.compute), features)
 
     def counters(self) -> dict[str, int]:
         return dict(self._counts)

@@ -24,8 +24,7 @@ from torch import Tensor
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.optim import EmbeddingOptimizer
-from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams,
-                               Unsupported)
+from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams)
 
 #: fbgemm's cache associativity on CUDA: the cache holds whole sets of this many rows.
 FBGEMM_CACHE_ASSOC = 32
@@ -261,7 +260,7 @@ class UvmCacheStrategy(Strategy):
         return _needs_cuda(env)
 
     def estimate_memory(self, tables, optimizer, world_size):
-        row_bytes = (tables[0].dim + optimizer.state_width) * 4
+        # fbgemm's cache holds weights only; optimizer state stays in unified memory
         cached = fbgemm_cache_rows(self.params.cache_ratio, sum(t.num_rows for t in tables))
         return MemoryFootprint(device_bytes=cached * tables[0].dim * 4,
                                host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
@@ -282,7 +281,7 @@ class _UvmCacheTables(TorchrecTables):
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for tbe in self._tbes():
-            row_bytes = (tbe.max_D + 1) * 4
+            row_bytes = tbe.max_D * 4  # only weights are cached (fp32); the state stays in UVM
             for k, v in counters_from_uvm_cache_stats(tbe.get_uvm_cache_stats().tolist(), row_bytes).items():
                 total[k] = total.get(k, 0) + v
         return total

@@ -12,7 +12,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.optim import EmbeddingOptimizer, aggregate_rows
 
-__all__ = ["RowSpace", "RowStore", "pooled_lookup"]
+__all__ = ["RowSpace", "RowStore", "per_sample", "pooled_lookup"]
 
 
 class RowSpace:
@@ -106,3 +106,10 @@ def pooled_lookup(store: RowStore, rows: Tensor, offsets: Tensor, out_device: to
     if torch.is_grad_enabled():
         return _PooledLookup.apply(_ANCHOR, store, rows, offsets, out_device)
     return store.pool(rows, offsets).to(out_device, non_blocking=True)
+
+
+def per_sample(pooled: Tensor, features: SparseFeatures) -> Tensor:
+    """Bags pooled in ``features``' table-major order ``[T * B, D]`` as the SparseModule
+    output ``[B, T * D]`` (a sample's tables side by side, like torchrec's KeyedTensor)."""
+    batch = features.batch_size
+    return pooled.view(features.num_tables, batch, -1).transpose(0, 1).reshape(batch, -1)

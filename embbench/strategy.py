@@ -13,7 +13,7 @@ third party's would::
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar, Iterator

@@ -30,7 +30,7 @@ from pydantic import Field
 from torch import Tensor
 
 from embbench.data.batch import SparseFeatures
-from embbench.embedding import RowSpace, RowStore, pooled_lookup
+from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rate
 from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
@@ -137,7 +137,6 @@ class FreqCache(SparseModule):
         self.host_state = _alloc_host((n + 1, width), self.device)
         rank_of_row_host = self.rank_of_row.cpu()
         self.space.fill_initial(self.host_weights, ctx.init_weights, position=lambda rows: rank_of_row_host[rows].long())
-        del rank_of_row_host
 
         # Device side: C slots plus a trash slot at index c.
         self.cache_weights = torch.zeros(c + 1, dim, device=self.device)
@@ -278,7 +277,7 @@ class FreqCache(SparseModule):
         self.slot_protected[slots] = True
         self._protected_bound = rows.numel()
         self._bypassed = False
-        return self._table_major(pooled_lookup(self.store, slots, offsets, self.device), features)
+        return per_sample(pooled_lookup(self.store, slots, offsets, self.device), features)
 
     def prefetch(self, features: SparseFeatures) -> None:
         """Admit the next batch's rows now (on a side stream on CUDA); the current batch's
@@ -315,12 +314,7 @@ class FreqCache(SparseModule):
                         misses=rows.numel() - hits, unique_misses=(~store.cached).sum(),
                         bytes_h2d=from_host, bytes_d2h=from_host)
             self._snapshot_window()
-        return self._table_major(pooled_lookup(store, position, offsets, self.device), features)
-
-    @staticmethod
-    def _table_major(pooled: Tensor, features: SparseFeatures) -> Tensor:
-        batch = features.batch_size
-        return pooled.view(features.num_tables, batch, -1).transpose(0, 1).reshape(batch, -1)
+        return per_sample(pooled_lookup(store, position, offsets, self.device), features)
 
     def _snapshot_window(self) -> None:
         if self._close_window:
