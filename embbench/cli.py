@@ -120,7 +120,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     links = dict(DEFAULT_LINKS_GBPS)
     if args.links:
-        links = {k: float(v) for k, v in (item.split("=") for item in args.links.split(","))}
+        try:
+            links = {k: float(v) for k, v in (item.split("=") for item in args.links.split(","))}
+        except ValueError:
+            raise ValueError(f"--links {args.links!r}: expected name=GB/s,... e.g. nvlink=450,net100=12.5") from None
     records = [r for r in load_records(Path(args.results)) if r.status == "ok"]
     if not records:
         raise ValueError(f"{args.results}: no finished (ok) cells to project from")

@@ -78,7 +78,8 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     columns = [c for c in (measured[0] if measured else {}) if any(row[c] for row in measured)]
     table = Table(title=title, header_style="bold",
                   caption=f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
-                          "where only that is counted), Belady's bound in brackets; device MiB: the largest rank")
+                          "where only that is counted), Belady's bound in brackets; device MiB: the largest rank; "
+                          "comm: bytes all ranks send to each other")
     table.add_column("cell", no_wrap=True)
     table.add_column("status")
     for c in columns:
