@@ -22,7 +22,7 @@ from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, load_strategies
 
 # Logs and CI are not terminals: give tables room rather than wrapping every cell.
-console = Console(width=None if sys.stdout.isatty() else 180)
+console = Console(width=None if sys.stdout.isatty() else 240)
 
 
 def _device_capacity(device: torch.device) -> int:

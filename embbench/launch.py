@@ -64,9 +64,28 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def _poll_progress(path: Path, last: dict | None, on_progress: Callable[[str, int, int], None] | None) -> dict | None:
+    """Pass the runner's latest phase and step on, when it changed."""
+    if on_progress is None:
+        return last
+    try:
+        now = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return last
+    if now != last:
+        on_progress(now["phase"], now["step"], now["total"])
+    return now
+
+
 def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Path,
-                 weights_path: Path | None = None, time_limit_s: float | None = None) -> CellOutcome:
-    """Run one cell in ``cell.world_size`` fresh processes and report how it ended."""
+                 weights_path: Path | None = None, time_limit_s: float | None = None,
+                 on_progress: Callable[[str, int, int], None] | None = None,
+                 profile_path: Path | None = None) -> CellOutcome:
+    """Run one cell in ``cell.world_size`` fresh processes and report how it ended.
+
+    ``on_progress(phase, step, total)`` follows rank 0 through build, warmup, measure and eval;
+    ``profile_path`` asks for a torch.profiler trace of a few extra steps there.
+    """
     limit = time_limit_s if time_limit_s is not None else scenario.run.time_limit_s
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="embbench-cell-") as tmp:
@@ -77,6 +96,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             "cell": {"strategy": cell.strategy, "params": cell.params, "world_size": cell.world_size},
             "result": str(tmp_dir / "result.json"),
             "weights": str(weights_path) if weights_path else None,
+            "progress": str(tmp_dir / "progress.json"),
+            "profile": str(profile_path) if profile_path else None,
         }
         spec_path = tmp_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -93,8 +114,10 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                                               stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         deadline = time.monotonic() + limit
         first_failure: float | None = None
+        progress = None
         try:
             while any(p.poll() is None for p in procs):
+                progress = _poll_progress(tmp_dir / "progress.json", progress, on_progress)
                 now = time.monotonic()
                 if now > deadline:
                     _kill(procs)
@@ -106,6 +129,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 time.sleep(0.05)
         finally:
             _kill(procs)  # reaps everything, also on KeyboardInterrupt
+        _poll_progress(tmp_dir / "progress.json", progress, on_progress)  # the last phase reached
         errors = [(json.loads(p.read_text()), p.stem.removeprefix("error.rank")) for p in tmp_dir.glob("error.rank*.json")]
         if errors:
             # The first failure is the cause; the peers then fail in their collectives.
@@ -130,20 +154,42 @@ def _max_weight_diff(a: Path, b: Path) -> float:
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
 
 
+def _trained_steps(record: Record) -> int:
+    m = record.metrics
+    return m.get("warmup_steps_run", m["warmup_steps"]) + m["measured_steps"]
+
+
+def _weights_comparable(record: Record, baseline: Record | None) -> str | None:
+    """Why a record's flushed weights cannot be compared with the baseline's, or None."""
+    if record.semantics != "exact":
+        return "training order differs from the baseline's (semantics: reordered): compare AUC"
+    if baseline is None:
+        return "the baseline has no flushed weights"
+    if _trained_steps(record) != _trained_steps(baseline):
+        return f"trained {_trained_steps(record)} steps, the baseline {_trained_steps(baseline)} (warm-up until steady)"
+    return None
+
+
 def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path, resume: bool = False,
               on_start: Callable[[Cell], None] | None = None,
               on_done: Callable[[Cell, Record], None] | None = None,
               execute: Callable[[Cell, Path | None], CellOutcome] | None = None,
-              write: bool = True) -> list[Record]:
+              write: bool = True,
+              on_progress: Callable[[Cell, str, int, int], None] | None = None,
+              profile_dir: Path | None = None) -> list[Record]:
     """Run every cell (the baseline's first), writing each record as soon as it ends.
 
     ``execute`` runs one cell (default: its own processes on this host, see
     :func:`run_isolated`); ``write`` is False on the ranks of a torchrun job other than 0.
+    ``on_progress(cell, phase, step, total)`` follows a running cell; ``profile_dir`` gets a
+    torch.profiler Chrome trace per cell (``<cell>.trace.json``).
     """
     if execute is None:
         def execute(cell: Cell, weights: Path | None) -> CellOutcome:
+            follow = (lambda phase, step, total: on_progress(cell, phase, step, total)) if on_progress else None
+            profile = profile_dir / f"{cell.slug}.trace.json" if profile_dir is not None else None
             return _outcome_without_launch(scenario, cell) or run_isolated(
-                scenario, scenario_file, cell, out_dir / "logs", weights)
+                scenario, scenario_file, cell, out_dir / "logs", weights, on_progress=follow, profile_path=profile)
     done: dict[str, Record] = {}
     if resume and out_dir.exists() and any(out_dir.glob("*.json")):
         done = {r.cell_id: r for r in load_records(out_dir) if r.status in ("ok", "unsupported")}
@@ -151,7 +197,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     weights_dir = out_dir / "weights"
     scenario_info = {"name": scenario.name, "file": scenario_file, "digest": scenario.digest(),
                      "config": scenario.model_dump(mode="json")}
-    baseline_weights = None
+    baseline_record: Record | None = None
     records = []
     for cell in cells:
         if cell.id in done:
@@ -161,14 +207,19 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                 on_start(cell)
             outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
             record = Record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
-                            status=outcome.status, message=outcome.message, baseline=scenario.baseline,
-                            scenario=scenario_info, metrics=outcome.metrics, provenance=provenance())
+                            status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
+                            baseline=scenario.baseline, scenario=scenario_info, metrics=outcome.metrics,
+                            provenance=provenance())
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
+            if cell.strategy == scenario.baseline and baseline_record is None:
+                baseline_record = record
+            why_not = _weights_comparable(record, baseline_record)
             mine = weights_dir / record.metrics["weights_file"]
-            if cell.strategy == scenario.baseline and baseline_weights is None:
-                baseline_weights = mine
-            if baseline_weights is not None and mine.exists() and baseline_weights.exists():
-                record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, baseline_weights)
+            theirs = weights_dir / baseline_record.metrics["weights_file"] if baseline_record else None
+            if why_not is None and mine.exists() and theirs.exists():
+                record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, theirs)
+            elif why_not is not None:
+                record.metrics["weights_not_compared"] = why_not
         if write:
             write_record(out_dir, cell.slug, record)
         records.append(record)

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["belady_hit_rate", "StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes", "device_memory"]
+__all__ = ["belady_hit_rate", "StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes",
+           "device_memory", "OpCounter", "miss_rate", "warmed_up"]
 
 
 class StepTimer:
@@ -41,6 +42,69 @@ class StepTimer:
             self.seconds = self._start.elapsed_time(self._end) / 1e3
         else:
             self.seconds = time.perf_counter() - self._t0
+
+
+class OpCounter:
+    """Counts the ATen operator calls issued inside it (forward, backward and optimizer alike)
+    and, on CUDA, the operations that made the host wait for the device.
+
+    It sees every op through a TorchDispatchMode, which slows the ops it watches: use it on
+    extra, untimed steps only.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.ops = 0
+        self.host_syncs: int | None = 0 if self.cuda else None
+
+    def __enter__(self) -> "OpCounter":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Count()
+        self._mode.__enter__()
+        if self.cuda:
+            import warnings
+
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            self._sync_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(self._sync_mode)
+            self.host_syncs = sum("synchronizing" in str(w.message) for w in self._caught)
+            self._warnings.__exit__(*exc)
+
+
+def miss_rate(before: dict[str, int], after: dict[str, int]) -> float | None:
+    """Misses per access between two counter snapshots (per distinct row where only those are
+    counted); None when the strategy counts no misses."""
+    for misses, accesses in (("misses", "accesses"), ("unique_misses", "unique_accesses")):
+        if misses in after and accesses in after:
+            n = after[accesses] - before.get(accesses, 0)
+            return (after[misses] - before.get(misses, 0)) / n if n else None
+    return None
+
+
+def warmed_up(window_rates: list[float | None], tolerance: float = 0.002) -> bool:
+    """Whether a cache is steady: no miss rate to watch, or the last window's miss rate is no
+    longer lower than the one before by more than ``tolerance`` (absolute)."""
+    if not window_rates:
+        return False
+    if window_rates[-1] is None:
+        return True
+    return len(window_rates) >= 2 and window_rates[-2] is not None and window_rates[-1] >= window_rates[-2] - tolerance
 
 
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); the normal beyond.

@@ -12,7 +12,12 @@ from embbench.results import Record
 
 __all__ = ["comparison_table", "print_comparison"]
 
-_STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": "magenta", "timeout": "red"}
+_STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
+                 "diverged": "red"}
+
+#: Counters of the seed systems' bookkeeping, shown per step when a strategy reports them.
+_BOOKKEEPING = {"host_syncs": "syncs", "rows_synced": "rows synced", "hot_batches": "hot", "cold_batches": "cold",
+                "pipeline_stalls": "stalls", "host_plan_us": "plan µs"}
 
 
 def _mib(n: int | None) -> str:
@@ -42,8 +47,10 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
     hit, bound = _get(m, "counters", "hit_rate"), _get(m, "extra", "belady_hit_rate")
     unique_hit = _get(m, "counters", "unique_hit_rate")
-    diff = m.get("max_weight_diff_vs_baseline")
+    diff = m.get("max_weight_diff_vs_baseline") if r.semantics == "exact" else None
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
+    ops, syncs = m.get("ops_per_step"), m.get("host_syncs_per_step")
+    bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
     return {
         "ranks": str(r.world_size),
         "step ms\nmedian / p95": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
@@ -59,6 +66,9 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
         "AUC": "-" if auc is None else f"{auc:.4f}",
         "logloss": "-" if logloss is None else f"{logloss:.4f}",
         "max |Δw|": "" if diff is None else f"{diff:.1e}",
+        "ops / syncs\nper step": "" if ops is None else f"{ops:,.0f}" + ("" if syncs is None else f" / {syncs:,.1f}"),
+        "bookkeeping\nper step": bookkeeping,
+        "order": "" if r.semantics == "exact" else r.semantics,
     }
 
 
@@ -79,7 +89,8 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     table = Table(title=title, header_style="bold",
                   caption=f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
                           "where only that is counted), Belady's bound in brackets; device MiB: the largest rank; "
-                          "comm: bytes all ranks send to each other")
+                          "comm: bytes all ranks send to each other; ops: ATen operators per step, syncs: host waits (CUDA); "
+                          "max |Δw| only where the training order is the baseline's")
     table.add_column("cell", no_wrap=True)
     table.add_column("status")
     for c in columns:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 __all__ = ["SCHEMA_VERSION", "Record", "Status", "provenance", "write_record", "load_records"]
 
 SCHEMA_VERSION = 1
-Status = Literal["ok", "unsupported", "error", "oom", "timeout"]
+Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
 
 
 class Record(BaseModel):
@@ -38,6 +38,8 @@ class Record(BaseModel):
     world_size: int
     status: Status
     message: str | None = None
+    #: ``exact``: weights comparable with the baseline's; ``reordered``: compare by accuracy.
+    semantics: Literal["exact", "reordered"] = "exact"
     baseline: str
     scenario: dict[str, Any]
     metrics: dict[str, Any] | None = None

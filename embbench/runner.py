@@ -19,14 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embbench.data import NUM_DENSE_FEATURES, Stream, SyntheticCriteo, TableSpec
+from embbench.data import NUM_DENSE_FEATURES, Stream, TableSpec
 from embbench.data.synthetic import _mix
-from embbench.metrics import StepTimer, auc_logloss, confidence_interval, device_memory, peak_rss_bytes, summarize
+from embbench.metrics import (OpCounter, StepTimer, auc_logloss, confidence_interval, device_memory, miss_rate,
+                              peak_rss_bytes, summarize, warmed_up)
 from embbench.model import DLRM
 from embbench.scenario import Cell, Scenario
-from embbench.strategy import BuildContext, RuntimeEnv, Unsupported
+from embbench.stream import TrainingStream
+from embbench.strategy import BuildContext, RuntimeEnv, Schedule, Unsupported
 
-__all__ = ["initial_weights", "resolve_device", "run_cell"]
+__all__ = ["Diverged", "initial_weights", "resolve_device", "run_cell"]
 
 _INIT_CHUNK = 1 << 16
 
@@ -68,36 +70,85 @@ def _derived_rates(c: dict[str, int]) -> dict[str, float | None]:
             "unique_hit_rate": (1 - c["unique_misses"] / c["unique_accesses"]) if c.get("unique_accesses") and "unique_misses" in c else None}
 
 
+class Diverged(RuntimeError):
+    """Training produced a non-finite loss: recorded as status ``diverged``."""
+
+
+#: Untimed steps after the measurement: operator counting, then (if asked) profiling.
+_OPS_STEPS = 2
+_PROFILE_STEPS = 3
+#: Warm-up watches the miss rate over windows of this many steps.
+_WARMUP_WINDOW = 5
+
+
+class _Progress:
+    """Writes the cell's phase and step to a small JSON file the launcher polls (at most
+    every 0.2 s, atomically); nothing when no file is given or on ranks other than 0."""
+
+    def __init__(self, path: str | None, rank: int):
+        self.path = Path(path) if path and rank == 0 else None
+        self._last, self._phase = 0.0, ""
+
+    def __call__(self, phase: str, step: int = 0, total: int = 0, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.path is None or (not force and phase == self._phase and now - self._last < 0.2):
+            return
+        self._last, self._phase = now, phase
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"phase": phase, "step": step, "total": total}))
+        os.replace(tmp, self.path)
+
+
+def _check_finite(losses: list[torch.Tensor], first_step: int) -> None:
+    """Raise :class:`Diverged` naming the first step whose loss is not finite (one host read)."""
+    if not losses:
+        return
+    finite = torch.isfinite(torch.stack(losses)).cpu()
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0, 0])
+        raise Diverged(f"the training loss is not finite at step {first_step + bad} "
+                       f"({float(losses[bad])}); training diverged")
+
+
 def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path | None = None,
-             process_group: Any = None) -> dict[str, Any]:
-    """Train and measure one cell on this rank; returns rank-local measurements."""
+             process_group: Any = None, schedule: Schedule | None = None, progress: str | None = None,
+             profile_path: Path | None = None) -> dict[str, Any]:
+    """Train and measure one cell on this rank; returns rank-local measurements.
+
+    Args:
+        schedule: train in this batching order instead of the data's own (or the strategy's
+            proposal): lets a test train ``device`` on another strategy's schedule.
+        progress: a file for the launcher to follow the phase and step (rank 0 writes it).
+        profile_path: write a torch.profiler Chrome trace of a few extra steps here.
+    """
     run, device = scenario.run, env.device
     tables = scenario.tables()
     global_batch = scenario.data.batch_size
     if global_batch % env.world_size:
         raise ValueError(f"data.batch_size {global_batch} does not divide by world size {env.world_size}")
     local_batch = global_batch // env.world_size
-    data = SyntheticCriteo(tables, run.seed, device)
-
-    def train_batches(n: int):
-        for i in range(n):
-            yield data.batch(Stream.TRAIN, i, global_batch).shard(env.rank, env.world_size)
+    report = _Progress(progress, env.rank)
+    report("build", force=True)
 
     strategy = cell.make_strategy()
     reason = strategy.unsupported_reason(env)
     if reason:
         raise Unsupported(reason)
 
-    # The generator alone, so that it is visibly never the bottleneck.
-    with StepTimer(device) as t:
-        for i in range(3):
-            data.batch(Stream.TRAIN, 10**9 + i, global_batch)
-    generator_rate = 3 * global_batch / t.seconds
+    # The training batches in the order they are trained: the data's, or a strategy's schedule.
+    data = scenario.data_source(device)
+    train_steps = run.warmup_bound + run.repeats * run.steps + _OPS_STEPS + (_PROFILE_STEPS if profile_path else 0)
+    stream = TrainingStream(data, global_batch, env.rank, env.world_size, num_batches=train_steps + 1)
+    if schedule is not None:
+        stream.set_schedule(schedule)
+    else:
+        stream.use_schedule(strategy, tables, run.seed)
 
     ctx = BuildContext(
         tables=tables, env=env, optimizer=scenario.optimizer.embedding, local_batch_size=local_batch,
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
-        train_batches=train_batches, warmup_steps=run.warmup_steps, process_group=process_group,
+        train_batches=lambda n: (stream.fresh(i) for i in range(n)),
+        warmup_steps=run.warmup_steps, process_group=process_group,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)
@@ -111,43 +162,90 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    batch_index = 0
-    next_batch = data.batch(Stream.TRAIN, 0, global_batch).shard(env.rank, env.world_size)
+    step_index = 0
 
-    def step() -> tuple[float, torch.Tensor]:
-        """One training step; returns (seconds, loss). Generating data is not timed."""
-        nonlocal batch_index, next_batch
-        batch = next_batch
-        batch_index += 1
-        next_batch = data.batch(Stream.TRAIN, batch_index, global_batch).shard(env.rank, env.world_size)
+    def train_step() -> torch.Tensor:
+        """One training step, everything a strategy does included; batches are made before."""
+        batch, upcoming = stream.get(step_index), stream.get(step_index + 1)
+        ahead = [stream.get(i).sparse for i in range(step_index + 1, min(step_index + 1 + sparse.lookahead, train_steps + 1))]
+        if ahead:
+            sparse.look_ahead(ahead)
+        pooled = sparse(batch.sparse)
+        sparse.prefetch(upcoming.sparse)
+        loss = loss_fn(model(batch.dense, pooled), batch.labels)
+        dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        sparse.after_backward()
+        dense_optimizer.step()
+        return loss.detach()
+
+    def prepare(steps: int = 1) -> None:
+        """Make the batches of the next ``steps`` steps (and what they look ahead to) now."""
+        for i in range(step_index, min(step_index + steps + 1 + sparse.lookahead, train_steps + 1)):
+            stream.get(i)
+        stream.release(step_index)
+
+    def timed_step() -> tuple[float, torch.Tensor]:
+        """Make this step's batches (untimed), then time the step."""
+        nonlocal step_index
+        prepare()
         with StepTimer(device) as timer:
-            pooled = sparse(batch.sparse)
-            sparse.prefetch(next_batch.sparse)
-            loss = loss_fn(model(batch.dense, pooled), batch.labels)
-            dense_optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            sparse.after_backward()
-            dense_optimizer.step()
-        return timer.seconds, loss.detach()
+            loss = train_step()
+        step_index += 1
+        return timer.seconds, loss
 
-    for _ in range(run.warmup_steps):
-        step()
+    # Warm-up: warmup_steps; with warmup_max_steps, on until the miss rate stops falling.
+    warmup_losses: list[torch.Tensor] = []
+    window_rates: list[float | None] = []
+    window_start = sparse.counters()
+    while step_index < run.warmup_bound:
+        if step_index >= run.warmup_steps and step_index % _WARMUP_WINDOW == 0 and warmed_up(window_rates):
+            break
+        report("warmup", step_index, run.warmup_bound)
+        warmup_losses.append(timed_step()[1])
+        if run.warmup_max_steps and step_index % _WARMUP_WINDOW == 0:
+            now = sparse.counters()
+            window_rates.append(miss_rate(window_start, now))
+            window_start = now
+    warmup_run = step_index
+    _check_finite(warmup_losses, 0)
+
+    # The generator alone, warm, outside any timed step: visibly never the bottleneck.
+    with StepTimer(device) as t:
+        for i in range(3):
+            data.batch(Stream.TRAIN, 10**9 + i, global_batch)
+    generator_rate = 3 * global_batch / t.seconds
+
     counters_before = sparse.counters()
     step_seconds: list[float] = []
     repeat_throughput: list[float] = []
     losses: list[torch.Tensor] = []
-    for _ in range(run.repeats):
+    for repeat in range(run.repeats):
         repeat_seconds = 0.0
-        for _ in range(run.steps):
-            seconds, loss = step()
+        for k in range(run.steps):
+            report("measure", repeat * run.steps + k, run.repeats * run.steps)
+            seconds, loss = timed_step()
             step_seconds.append(seconds)
             losses.append(loss)
             repeat_seconds += seconds
         repeat_throughput.append(run.steps * global_batch / repeat_seconds)
+        _check_finite(losses[-run.steps:], warmup_run + repeat * run.steps)
     counters = _sum_counters(counters_before, sparse.counters())
     measured_steps = run.steps * run.repeats
 
+    # Extra untimed steps: how many operators (and, on CUDA, host waits) one step issues.
+    # (Batches are made before, so that only the steps are watched.)
+    prepare(_OPS_STEPS)
+    with OpCounter(device) as ops:
+        for _ in range(_OPS_STEPS):
+            timed_step()
+    profile = None
+    if profile_path is not None:
+        prepare(_PROFILE_STEPS)
+        profile = _profile(timed_step, device, profile_path)
+
     # Held-out evaluation: a separate stream, never seen by training or frequency statistics.
+    report("eval", 0, run.eval_batches, force=True)
     model.eval()
     logits, labels = [], []
     with torch.no_grad():
@@ -192,6 +290,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         "samples_per_step": global_batch,
         "measured_steps": measured_steps,
         "warmup_steps": run.warmup_steps,
+        "warmup_steps_run": warmup_run,
+        "warmup_miss_rates": window_rates,
         "build_seconds": build_seconds,
         "step_time_s": summarize(step_seconds),
         "throughput": {
@@ -201,6 +301,10 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             "ci95": confidence_interval(repeat_throughput),
         },
         "generator_samples_per_s": generator_rate,
+        "ops_per_step": ops.ops / _OPS_STEPS,
+        "host_syncs_per_step": None if ops.host_syncs is None else ops.host_syncs / _OPS_STEPS,
+        "schedule": "strategy" if stream.scheduled else "data",
+        "profile": profile,
         # what must fit on each device: the largest rank; and what the job holds in all
         "memory": {**_combine(ranks, max), "sum": _combine(ranks, sum)},
         "accuracy": accuracy,
@@ -213,6 +317,31 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
         "weights_file": weights_file,
     }
+
+
+def _profile(step, device: torch.device, path: Path, top: int = 15) -> dict[str, Any]:
+    """A few untimed steps under torch.profiler: a Chrome trace at ``path`` and the operators
+    that took the most time on the host and on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(_PROFILE_STEPS):
+            step()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    def rows(key) -> list[dict[str, Any]]:
+        ranked = sorted(events, key=key, reverse=True)[:top]
+        return [{"op": e.key, "calls": e.count / _PROFILE_STEPS, "self_cpu_us": e.self_cpu_time_total / _PROFILE_STEPS,
+                 "self_device_us": device_us(e) / _PROFILE_STEPS} for e in ranked if key(e) > 0]
+
+    return {"trace": path.name, "steps": _PROFILE_STEPS, "top_host": rows(lambda e: e.self_cpu_time_total),
+            "top_device": rows(device_us) if device.type == "cuda" else []}
 
 
 def _gather_objects(obj: dict, env: RuntimeEnv, group: Any) -> list[dict]:
@@ -248,6 +377,8 @@ def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:
 def _classify(exc: BaseException) -> str:
     if isinstance(exc, Unsupported):
         return "unsupported"
+    if isinstance(exc, Diverged):
+        return "diverged"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return "oom"
     return "error"
@@ -275,7 +406,8 @@ def main(spec_path: str) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         env = RuntimeEnv(device=device, world_size=world, rank=rank)
         weights = Path(spec["weights"]) if spec.get("weights") else None
-        metrics = run_cell(scenario, cell, env, weights, group)
+        profile = Path(spec["profile"]) if spec.get("profile") else None
+        metrics = run_cell(scenario, cell, env, weights, group, progress=spec.get("progress"), profile_path=profile)
         if rank == 0:
             tmp = result_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(metrics))

@@ -49,7 +49,10 @@ class OptimizerConfig(_Strict):
 class RunConfig(_Strict):
     world_size: int | list[int] = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    warmup_steps: int = Field(5, ge=0)
+    warmup_steps: int = Field(5, ge=0, description="warm-up steps (the least, when warmup_max_steps is set)")
+    warmup_max_steps: int | None = Field(
+        None, ge=0, description="warm up until the cache's miss rate stops falling, at most this many steps "
+                                "(None: exactly warmup_steps)")
     steps: int = Field(20, gt=0, description="measured steps per repeat")
     repeats: int = Field(3, ge=1)
     eval_batches: int = Field(4, ge=0)
@@ -58,6 +61,11 @@ class RunConfig(_Strict):
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
     )
+
+    @property
+    def warmup_bound(self) -> int:
+        """The most warm-up steps a cell may run."""
+        return max(self.warmup_steps, self.warmup_max_steps or 0)
 
     @property
     def world_sizes(self) -> list[int]:
@@ -81,6 +89,12 @@ class Scenario(_Strict):
 
     def tables(self) -> list[TableSpec]:
         return make_tables(self.data.preset, self.data.embedding_dim, self.data.scale, self.data.alpha)
+
+    def data_source(self, device):
+        """The batch source of this scenario (``.batch(stream, index, batch_size) -> Batch``)."""
+        from embbench.data.synthetic import SyntheticCriteo
+
+        return SyntheticCriteo(self.tables(), self.run.seed, device)
 
     def digest(self) -> str:
         """A hash of the effective scenario (after command-line overrides)."""
@@ -111,8 +125,11 @@ class Cell:
         """The id as a file name."""
         return "".join(c if c.isalnum() or c in "-_.=@," else "_" for c in self.id)
 
+    def strategy_class(self) -> type[Strategy]:
+        return get_strategy(self.strategy)
+
     def make_strategy(self) -> Strategy:
-        cls = get_strategy(self.strategy)
+        cls = self.strategy_class()
         return cls(cls.Params(**self.params))
 
 

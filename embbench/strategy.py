@@ -16,7 +16,7 @@ import abc
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -27,8 +27,8 @@ from embbench.data.presets import TableSpec
 from embbench.optim import EmbeddingOptimizer
 
 __all__ = [
-    "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "SparseModule",
-    "Strategy", "StrategyParams", "Unsupported", "get_strategy", "load_strategies",
+    "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
+    "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "get_strategy", "load_strategies",
 ]
 
 #: Counter names every strategy reports (cumulative since build; absent ones count as 0).
@@ -45,7 +45,17 @@ COUNTERS = {
     "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
     "bytes_comm": "bytes this rank sent to other ranks (ids, pooled rows, their gradients)",
     "comm_us": "microseconds this rank spent in those collectives",
+    "host_syncs": "times the strategy's bookkeeping waited for the device (a value read on the host)",
+    "rows_synced": "rows copied between two copies of a row kept by the strategy (e.g. hot device copy and host)",
+    "hot_batches": "training batches whose every id was in the strategy's hot set",
+    "cold_batches": "training batches with at least one id outside the hot set",
+    "pipeline_stalls": "times a step waited for the strategy's own pipeline (planning or copies not done)",
+    "host_plan_us": "microseconds the host spent planning batches (slot assignment, staging)",
 }
+
+#: ``exact``: a strategy trains the same weights as the baseline step for step (max |Δw| is
+#: meaningful); ``reordered``: it changes the order of training samples (compare by accuracy).
+Semantics = Literal["exact", "reordered"]
 
 
 class Unsupported(Exception):
@@ -114,6 +124,43 @@ class BuildContext:
     process_group: Any = None
 
 
+@dataclass
+class ScheduleContext:
+    """What a strategy may use to propose the order of training samples.
+
+    Attributes:
+        tables: the model's tables.
+        batch_size: the global batch size.
+        num_batches: training batches the run will use (warm-up, measurement, extra steps).
+        world_size: ranks of the run (every rank computes the schedule; it must be deterministic).
+        seed: the scenario's seed.
+        samples: ``samples()`` returns the sparse features of all ``num_batches * batch_size``
+            training samples in stream order (sample ``j`` of batch ``i`` is ``i * B + j``),
+            on the compute device. Training data only: evaluation data is never offered.
+    """
+
+    tables: list[TableSpec]
+    batch_size: int
+    num_batches: int
+    world_size: int
+    seed: int
+    samples: Callable[[], SparseFeatures]
+
+
+@dataclass
+class Schedule:
+    """A batching order of the training samples.
+
+    Attributes:
+        order: ``num_batches * batch_size`` sample indices (into ``ScheduleContext.samples()``):
+            training batch ``i`` is ``order[i * B : (i + 1) * B]``.
+        side: optional, one dict per batch, attached to that batch's ``SparseFeatures.side``.
+    """
+
+    order: Tensor
+    side: list[dict[str, Any]] | None = None
+
+
 class SparseModule(torch.nn.Module, abc.ABC):
     """Maps a batch's sparse features to pooled embeddings and trains them.
 
@@ -127,8 +174,16 @@ class SparseModule(torch.nn.Module, abc.ABC):
     ranks train what one process trains on the global batch.
     """
 
+    #: Training batches beyond the current one that :meth:`look_ahead` should receive.
+    lookahead: int = 0
+
     @abc.abstractmethod
     def forward(self, features: SparseFeatures) -> Tensor: ...
+
+    def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
+        """Each training step, before forward: the features of the next ``lookahead`` training
+        batches (``upcoming[0]`` is the batch :meth:`prefetch` receives in this step; fewer near
+        the end of the run). The same objects are later given to ``prefetch`` and ``forward``."""
 
     def prefetch(self, features: SparseFeatures) -> None:
         """The next batch, given early so that its transfers can overlap this step."""
@@ -161,6 +216,8 @@ class Strategy(abc.ABC):
     summary: ClassVar[str] = ""
     #: The parameter model; scenario values are validated against it.
     Params: ClassVar[type[StrategyParams]] = NoParams
+    #: ``reordered`` if :meth:`schedule` changes the order of training samples.
+    semantics: ClassVar[Semantics] = "exact"
 
     def __init__(self, params: StrategyParams | None = None):
         self.params = params if params is not None else self.Params()
@@ -171,6 +228,11 @@ class Strategy(abc.ABC):
 
     def estimate_memory(self, tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> MemoryFootprint | None:
         """Static bytes per rank before anything is built (for ``--dry-run``), if known."""
+        return None
+
+    def schedule(self, ctx: ScheduleContext) -> Schedule | None:
+        """The batching order this strategy proposes for the training samples, or None for the
+        data's own order. Called once per rank before :meth:`build`, on training data only."""
         return None
 
     @abc.abstractmethod

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,11 +17,14 @@ class SparseFeatures:
 
     ``lengths`` is table-major: ``lengths[t * B + b]`` is the number of ids of sample ``b``
     in table ``t``; ``values`` holds those ids (local to their table) in the same order.
+    ``side`` is data a strategy's schedule attached to this batch (a hot/cold tag, say); it
+    travels with the features through ``to``, ``slice`` and ``select``.
     """
 
     values: Tensor
     lengths: Tensor
     num_tables: int
+    side: dict[str, Any] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -43,6 +47,7 @@ class SparseFeatures:
             self.values.to(device, non_blocking=non_blocking),
             self.lengths.to(device, non_blocking=non_blocking),
             self.num_tables,
+            self.side,
         )
 
     def slice(self, start: int, stop: int) -> "SparseFeatures":
@@ -56,8 +61,27 @@ class SparseFeatures:
             hi = offsets[t * batch + stop]
             pieces.append(self.values[lo:hi])
         return SparseFeatures(
-            torch.cat(pieces), lengths[:, start:stop].reshape(-1).contiguous(), self.num_tables
+            torch.cat(pieces), lengths[:, start:stop].reshape(-1).contiguous(), self.num_tables, self.side
         )
+
+    def select(self, samples: Tensor) -> "SparseFeatures":
+        """The given samples (indices, any order, repeats allowed) of every table."""
+        num_bags = self.num_tables * samples.numel()
+        lengths = self.lengths.view(self.num_tables, -1)[:, samples].reshape(-1)
+        starts = self.offsets()[:-1].view(self.num_tables, -1)[:, samples].reshape(-1)
+        total = int(lengths.sum())
+        bag = torch.repeat_interleave(torch.arange(num_bags, device=lengths.device), lengths, output_size=total)
+        within = torch.arange(total, device=lengths.device) - (torch.cumsum(lengths, 0) - lengths)[bag]
+        return SparseFeatures(self.values[starts[bag] + within], lengths, self.num_tables, self.side)
+
+    @staticmethod
+    def cat(parts: list["SparseFeatures"]) -> "SparseFeatures":
+        """The samples of several batches as one (``parts[0]``'s samples first)."""
+        num_tables = parts[0].num_tables
+        per_table = [torch.split(p.values, p.lengths.view(num_tables, -1).sum(1).tolist()) for p in parts]
+        values = torch.cat([per_table[i][t] for t in range(num_tables) for i in range(len(parts))])
+        lengths = torch.cat([p.lengths.view(num_tables, -1) for p in parts], dim=1).reshape(-1)
+        return SparseFeatures(values, lengths, num_tables)
 
     def to_kjt(self, keys: list[str]):
         """A torchrec KeyedJaggedTensor with the same layout (for the torchrec strategies)."""
@@ -94,3 +118,13 @@ class Batch:
         per_rank = self.size // world_size
         lo, hi = rank * per_rank, (rank + 1) * per_rank
         return Batch(self.dense[lo:hi], self.sparse.slice(lo, hi), self.labels[lo:hi])
+
+    def select(self, samples: Tensor) -> "Batch":
+        """The given samples of this batch, in that order."""
+        return Batch(self.dense[samples], self.sparse.select(samples), self.labels[samples])
+
+    @staticmethod
+    def cat(parts: list["Batch"]) -> "Batch":
+        """Several batches as one, in order."""
+        return Batch(torch.cat([p.dense for p in parts]), SparseFeatures.cat([p.sparse for p in parts]),
+                     torch.cat([p.labels for p in parts]))
