@@ -66,8 +66,10 @@ def _process_group(ctx: BuildContext):
     return dist.group.WORLD
 
 
-def _fused_params(optimizer: EmbeddingOptimizer) -> dict:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+def fused_optimizer(optimizer: EmbeddingOptimizer) -> dict:
+    """fbgemm's fused optimizer arguments for the scenario's embedding optimizer (its math
+    is embbench.optim's: exact, duplicates summed first, one update per row and step)."""
+    from baselines._fbgemm import EmbOptimType
 
     kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer.type]
     return {"optimizer": kind, "learning_rate": optimizer.lr, "eps": optimizer.eps}
@@ -79,11 +81,9 @@ class TorchrecTables(SparseModule):
     def __init__(self, ctx: BuildContext, kernel: str, sharding: str | None, cache_params=None,
                  extra_fused: dict | None = None):
         super().__init__()
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-        from torchrec.distributed.types import ShardingEnv
+        from baselines._fbgemm import (DistributedModelParallel, EmbeddingBagCollection, EmbeddingBagCollectionSharder,
+                                       EmbeddingBagConfig, EmbeddingShardingPlanner, ParameterConstraints, PoolingType,
+                                       ShardingEnv, Topology)
 
         group = _process_group(ctx)
         device = ctx.env.device
@@ -93,7 +93,7 @@ class TorchrecTables(SparseModule):
                                        feature_names=[t.name], pooling=PoolingType.SUM) for t in ctx.tables],
             device=torch.device("meta"),
         )
-        sharder = EmbeddingBagCollectionSharder(fused_params={**_fused_params(ctx.optimizer), **(extra_fused or {})})
+        sharder = EmbeddingBagCollectionSharder(fused_params={**fused_optimizer(ctx.optimizer), **(extra_fused or {})})
         constraints = {
             t.name: ParameterConstraints(
                 sharding_types=[sharding] if sharding else None, compute_kernels=[kernel],
@@ -156,7 +156,7 @@ class TorchrecTables(SparseModule):
         }}
 
     def _tbes(self):
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+        from baselines._fbgemm import SplitTableBatchedEmbeddingBagsCodegen
 
         # The sharded collection keeps its lookups (and their fbgemm TBEs) outside its
         # registered submodules, in ``_lookups``.
@@ -266,8 +266,7 @@ class UvmCacheStrategy(Strategy):
                                host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        from fbgemm_gpu.split_embedding_configs import CacheAlgorithm
-        from torchrec.distributed.types import CacheParams
+        from baselines._fbgemm import CacheAlgorithm, CacheParams
 
         cache = CacheParams(algorithm={"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}[self.params.algorithm],
                             load_factor=self.params.cache_ratio, prefetch_pipeline=False)
