@@ -1,9 +1,11 @@
 """Whole tables in one place: ``device`` (the reference) and ``cpu`` (host lookups).
 
-Both keep every table, with its optimizer state, in one tensor over the global row space
-and train it with :func:`embbench.embedding.pooled_lookup`. They differ only in where the
-tensor lives: on the compute device, or on the host with ids and gradients sent there and
-pooled embeddings sent back (the classic hybrid CPU-GPU baseline).
+``device`` keeps every table, with its optimizer state, in one tensor over the global row
+space on the compute device and trains it with :func:`embbench.embedding.pooled_lookup`.
+``cpu`` is the classic hybrid CPU-GPU baseline: the tables live in host memory inside
+fbgemm's CPU table-batched embedding kernel (the fast CPU path torchrec uses), ids and
+gradients go to the host, pooled embeddings come back, and the update is fbgemm's fused
+``exact_sgd`` / ``exact_rowwise_adagrad``: the math of embbench.optim.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from baselines.torchrec_tables import fused_optimizer
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
@@ -18,43 +21,81 @@ from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy
 
+_INIT_CHUNK = 1 << 20  # rows of initial weights written at a time: no second copy of a table
+
 
 class WholeTables(SparseModule):
-    """Every table on the host (``on_host``) or on the compute device; results on the device."""
+    """Every table in device memory, trained by embbench's fused lookup and update."""
 
-    def __init__(self, ctx: BuildContext, on_host: bool):
+    def __init__(self, ctx: BuildContext):
         super().__init__()
         self.space = RowSpace(ctx.tables)
-        self.on_host = on_host
         self.compute = ctx.env.device
-        self.storage = storage = torch.device("cpu") if on_host else self.compute
-        weights = torch.empty(self.space.num_rows, self.space.dim, device=storage)
+        weights = torch.empty(self.space.num_rows, self.space.dim, device=self.compute)
         self.space.fill_initial(weights, ctx.init_weights)
-        self.store = RowStore(weights, ctx.optimizer.new_state(self.space.num_rows, storage), ctx.optimizer)
-        self._counts = {"accesses": 0, "bytes_h2d": 0, "bytes_d2h": 0}
-        self._remote = storage != self.compute
+        self.store = RowStore(weights, ctx.optimizer.new_state(self.space.num_rows, self.compute), ctx.optimizer)
+        self._accesses = 0
 
     def forward(self, features: SparseFeatures) -> Tensor:
         rows = self.space.global_rows(features)
-        offsets = features.offsets()
-        self._counts["accesses"] += rows.numel()
+        self._accesses += rows.numel()
+        return per_sample(pooled_lookup(self.store, rows, features.offsets(), self.compute), features)
+
+    def counters(self) -> dict[str, int]:
+        return {"accesses": self._accesses}
+
+    def memory(self) -> MemoryFootprint:
+        return MemoryFootprint(device_bytes=self.store.weights.nbytes + self.store.state.nbytes)
+
+    def flush(self) -> list[Tensor]:
+        return [t.cpu().clone() for t in self.space.split(self.store.weights)]
+
+
+class HostTables(SparseModule):
+    """Every table in host memory, looked up and updated by fbgemm's CPU kernel; the pooled
+    rows ``[B, T * D]`` (already the sample-major layout) go to the compute device."""
+
+    def __init__(self, ctx: BuildContext):
+        super().__init__()
+        from baselines._fbgemm import (ComputeDevice, EmbeddingLocation, PoolingMode, SparseType,
+                                       SplitTableBatchedEmbeddingBagsCodegen)
+
+        RowSpace(ctx.tables)  # checks that every table has the same dim
+        self.compute = ctx.env.device
+        self.dim = ctx.tables[0].dim
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(t.num_rows, t.dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in ctx.tables],
+            pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
+            device=torch.device("cpu"), **fused_optimizer(ctx.optimizer),
+        )
+        with torch.no_grad():
+            for t, weights in enumerate(self.tbe.split_embedding_weights()):
+                for lo in range(0, weights.shape[0], _INIT_CHUNK):
+                    hi = min(weights.shape[0], lo + _INIT_CHUNK)
+                    weights[lo:hi].copy_(ctx.init_weights(t, lo, hi))
+        self._counts = {"accesses": 0, "bytes_h2d": 0, "bytes_d2h": 0}
+        self._remote = self.compute.type != "cpu"
+
+    def forward(self, features: SparseFeatures) -> Tensor:
+        values, offsets = features.values, features.offsets()
+        self._counts["accesses"] += values.numel()
         if self._remote:
-            rows, offsets = rows.to(self.storage), offsets.to(self.storage)
-            pooled_bytes = offsets.numel() - 1
+            pooled_bytes = (offsets.numel() - 1) * self.dim * 4
             # ids go to the host; pooled rows come back; their gradients go to the host.
-            self._counts["bytes_d2h"] += (rows.numel() + offsets.numel()) * 8 + pooled_bytes * self.space.dim * 4
-            self._counts["bytes_h2d"] += pooled_bytes * self.space.dim * 4
-        return per_sample(pooled_lookup(self.store, rows, offsets, self.compute), features)
+            self._counts["bytes_d2h"] += (values.numel() + offsets.numel()) * 8 + pooled_bytes
+            self._counts["bytes_h2d"] += pooled_bytes
+        pooled = self.tbe(values.to("cpu", torch.long), offsets.to("cpu", torch.long))
+        return pooled.to(self.compute)
 
     def counters(self) -> dict[str, int]:
         return dict(self._counts)
 
     def memory(self) -> MemoryFootprint:
-        nbytes = self.store.weights.nbytes + self.store.state.nbytes
-        return MemoryFootprint(host_bytes=nbytes) if self.on_host else MemoryFootprint(device_bytes=nbytes)
+        state = getattr(self.tbe, "momentum1_host", None)
+        return MemoryFootprint(host_bytes=self.tbe.weights_host.nbytes + (state.nbytes if state is not None else 0))
 
     def flush(self) -> list[Tensor]:
-        return [t.cpu().clone() for t in self.space.split(self.store.weights)]
+        return [w.detach().clone() for w in self.tbe.split_embedding_weights()]
 
 
 def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> int:
@@ -62,11 +103,9 @@ def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_s
     return sum(t.num_rows * (t.dim + optimizer.state_width) * 4 for t in tables) // world_size
 
 
-def _whole_tables(ctx: BuildContext, on_host: bool) -> SparseModule:
+def _table_wise(ctx: BuildContext, build) -> SparseModule:
     """One rank holds everything; several ranks own whole tables each (table-wise)."""
-    if ctx.env.world_size == 1:
-        return WholeTables(ctx, on_host)
-    return TableWiseSharded(ctx, lambda local: WholeTables(local, on_host))
+    return build(ctx) if ctx.env.world_size == 1 else TableWiseSharded(ctx, build)
 
 
 class DeviceStrategy(Strategy):
@@ -77,15 +116,15 @@ class DeviceStrategy(Strategy):
         return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer, world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        return _whole_tables(ctx, on_host=False)
+        return _table_wise(ctx, WholeTables)
 
 
 class CpuStrategy(Strategy):
     name = "cpu"
-    summary = "tables on the host: CPU lookups and updates, pooled rows to the device; table-wise over ranks"
+    summary = "tables on the host: fbgemm's CPU kernel looks up and updates, pooled rows to the device; table-wise over ranks"
 
     def estimate_memory(self, tables, optimizer, world_size):
         return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer, world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        return _whole_tables(ctx, on_host=True)
+        return _table_wise(ctx, HostTables)

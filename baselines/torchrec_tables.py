@@ -29,8 +29,8 @@ from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, Sparse
 #: fbgemm's cache associativity on CUDA: the cache holds whole sets of this many rows.
 FBGEMM_CACHE_ASSOC = 32
 
-_UVM_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
-              "num_conflict_unique_misses", "num_conflict_misses")
+#: What uvm_cache counts per table and training step (columns of :func:`cache_step_counts`).
+CACHE_FIELDS = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted", "rows_evicted")
 
 
 def fbgemm_cache_rows(cache_ratio: float, num_rows: int) -> int:
@@ -39,22 +39,123 @@ def fbgemm_cache_rows(cache_ratio: float, num_rows: int) -> int:
     return sets * FBGEMM_CACHE_ASSOC
 
 
-def counters_from_uvm_cache_stats(stats: list[int], row_bytes: int) -> dict[str, int]:
-    """fbgemm's uvm_cache_stats (see fbgemm_gpu UVMCacheStatsIndex) as embbench counters.
+def linear_cache_indices(indices: Tensor, offsets: Tensor, hash_size_cumsum: Tensor, total: int) -> Tensor:
+    """fbgemm's linear cache index of every id of a TBE call: its feature's start in the
+    cached row space plus the id, or ``total`` for a feature whose table is not cached.
 
-    fbgemm counts requests and *unique* misses only: ``hits``/``misses`` per access are not
-    observable, so only the per-unique-row counters are filled. A conflict miss (its set was
-    full of rows this batch needs) is read from unified memory without being admitted.
+    Args:
+        indices, offsets: the TBE's input (``offsets`` ``[F * B + 1]``, feature-major).
+        hash_size_cumsum: fbgemm's ``cache_hash_size_cumsum`` (``[F + 1]``, -1 for uncached).
+        total: the number of cached rows (``total_cache_hash_size``).
     """
-    s = dict(zip(_UVM_STATS, (int(x) for x in stats)))
-    admitted = s["num_unique_misses"] - s["num_conflict_unique_misses"]
-    return {
-        "accesses": s["num_requested_indices"],
-        "unique_accesses": s["num_unique_indices"],
-        "unique_misses": s["num_unique_misses"],
-        "rows_admitted": admitted,
-        "bytes_h2d": s["num_unique_misses"] * row_bytes,
+    features = hash_size_cumsum.numel() - 1
+    per_feature = offsets[:: (offsets.numel() - 1) // features].diff() if features else offsets[:0]
+    feature = torch.repeat_interleave(torch.arange(features, device=indices.device), per_feature,
+                                      output_size=indices.numel())
+    start = hash_size_cumsum[feature]
+    return torch.where(start >= 0, start + indices, total)
+
+
+def cache_step_counts(linear: Tensor, state_before: Tensor, state_after: Tensor, index_table: Tensor,
+                      num_tables: int) -> Tensor:
+    """What one prefetch of fbgemm's set-associative cache did, per table.
+
+    Built only on what every fbgemm release exposes for both LRU and LFU: the cache state
+    (``lxu_cache_state``: the linear index held by each slot, -1 when empty) before and
+    after the prefetch, and the batch's linear indices. fbgemm's own ``uvm_cache_stats``
+    are filled by the LRU path only. All counts are exact: a miss is an id whose row was
+    not cached before the prefetch; a slot whose content changed evicted its old row (if
+    any) and admitted its new one (fbgemm fills each slot at most once per prefetch).
+
+    Args:
+        linear: the batch's linear cache indices (:func:`linear_cache_indices`).
+        state_before, state_after: ``lxu_cache_state`` around the prefetch.
+        index_table: fbgemm's ``cache_index_table_map`` (linear index -> table).
+        num_tables: rows of the result.
+
+    Returns:
+        ``[num_tables, len(CACHE_FIELDS)]`` int64 counts, on ``linear``'s device. Fixed-size
+        tensor operations only: no host synchronisation.
+    """
+    total = index_table.numel()
+    before, after = state_before.reshape(-1), state_after.reshape(-1)
+
+    def per_table(rows: Tensor, mask: Tensor) -> Tensor:
+        table = index_table[rows.clamp(0, max(total - 1, 0))].long()
+        return torch.zeros(num_tables, dtype=torch.long, device=linear.device).index_add_(0, table, mask.long())
+
+    ids, _ = linear.sort()
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    if before.numel():
+        resident = before.sort().values  # empty slots (-1) sort first and match no id
+        hit = resident[torch.searchsorted(resident, ids).clamp_max(resident.numel() - 1)] == ids
+    else:
+        hit = torch.zeros_like(first)
+    cached_table = ids < total
+    changed = before != after
+    counts = {
+        "accesses": per_table(ids, cached_table),
+        "unique_accesses": per_table(ids, cached_table & first),
+        "hits": per_table(ids, cached_table & hit),
+        "misses": per_table(ids, cached_table & ~hit),
+        "unique_misses": per_table(ids, cached_table & first & ~hit),
+        "rows_admitted": per_table(after, changed & (after >= 0)),
+        "rows_evicted": per_table(before, changed & (before >= 0)),
     }
+    return torch.stack([counts[f] for f in CACHE_FIELDS], dim=1)
+
+
+def cache_counters(counts: Tensor, row_bytes: list[int]) -> dict[str, int]:
+    """Per-table cache counts (``[T, len(CACHE_FIELDS)]``) as embbench counters, summed.
+
+    Exact: accesses, hits, misses and their unique forms, rows admitted and evicted.
+    Derived from fbgemm's design: every evicted row is written back (fbgemm keeps no dirty
+    bit), and a missed row that found no slot (its set was full of rows this batch needs,
+    or LFU kept the incumbents) is read and updated in place in unified memory. Bytes count
+    weights only, each missed row once each way (rows read more than once in place cross
+    more often; the rowwise-Adagrad state stays in unified memory and is not counted).
+    """
+    c = {f: counts[:, i].tolist() for i, f in enumerate(CACHE_FIELDS)}
+    in_place = [m - a for m, a in zip(c["unique_misses"], c["rows_admitted"])]
+    out = {f: sum(v) for f, v in c.items()}
+    out["rows_written_back"] = out["rows_evicted"]
+    out["bytes_h2d"] = sum(m * b for m, b in zip(c["unique_misses"], row_bytes))
+    out["bytes_d2h"] = sum((e + p) * b for e, p, b in zip(c["rows_evicted"], in_place, row_bytes))
+    return out
+
+
+class CacheObserver:
+    """Counts one fbgemm TBE's cache traffic in training steps: a forward pre-hook takes the
+    batch's linear indices and a copy of the cache state, a forward hook (the prefetch runs
+    inside forward) compares. Evaluation (no grad) is not counted."""
+
+    def __init__(self, tbe: torch.nn.Module):
+        self.features = tbe.cache_hash_size_cumsum.numel() - 1
+        self.enabled = tbe.lxu_cache_weights.numel() > 0
+        self.counts = torch.zeros(self.features, len(CACHE_FIELDS), dtype=torch.long,
+                                  device=tbe.lxu_cache_state.device)
+        self.row_bytes = [d * tbe.lxu_cache_weights.element_size() for d in tbe.D_offsets.diff().tolist()]
+        self._pending: tuple[Tensor, Tensor] | None = None
+        tbe.register_forward_pre_hook(self._before, with_kwargs=True)
+        tbe.register_forward_hook(self._after)
+
+    def _before(self, tbe, args, kwargs) -> None:
+        self._pending = None
+        if not (self.enabled and torch.is_grad_enabled()):
+            return
+        indices = kwargs["indices"] if "indices" in kwargs else args[0]
+        offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
+        total = tbe.cache_index_table_map.numel()
+        linear = linear_cache_indices(indices.long(), offsets.long(), tbe.cache_hash_size_cumsum, total)
+        self._pending = (linear, tbe.lxu_cache_state.clone())
+
+    def _after(self, tbe, args, output) -> None:
+        if self._pending is not None:
+            linear, before = self._pending
+            self._pending = None
+            self.counts += cache_step_counts(linear, before, tbe.lxu_cache_state, tbe.cache_index_table_map,
+                                             self.features)
 
 
 def _process_group(ctx: BuildContext):
@@ -66,8 +167,10 @@ def _process_group(ctx: BuildContext):
     return dist.group.WORLD
 
 
-def _fused_params(optimizer: EmbeddingOptimizer) -> dict:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+def fused_optimizer(optimizer: EmbeddingOptimizer) -> dict:
+    """fbgemm's fused optimizer arguments for the scenario's embedding optimizer (its math
+    is embbench.optim's: exact, duplicates summed first, one update per row and step)."""
+    from baselines._fbgemm import EmbOptimType
 
     kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer.type]
     return {"optimizer": kind, "learning_rate": optimizer.lr, "eps": optimizer.eps}
@@ -76,14 +179,11 @@ def _fused_params(optimizer: EmbeddingOptimizer) -> dict:
 class TorchrecTables(SparseModule):
     """An EmbeddingBagCollection sharded by torchrec's DistributedModelParallel."""
 
-    def __init__(self, ctx: BuildContext, kernel: str, sharding: str | None, cache_params=None,
-                 extra_fused: dict | None = None):
+    def __init__(self, ctx: BuildContext, kernel: str, sharding: str | None, cache_params=None):
         super().__init__()
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-        from torchrec.distributed.types import ShardingEnv
+        from baselines._fbgemm import (DistributedModelParallel, EmbeddingBagCollection, EmbeddingBagCollectionSharder,
+                                       EmbeddingBagConfig, EmbeddingShardingPlanner, ParameterConstraints, PoolingType,
+                                       ShardingEnv, Topology)
 
         group = _process_group(ctx)
         device = ctx.env.device
@@ -93,7 +193,7 @@ class TorchrecTables(SparseModule):
                                        feature_names=[t.name], pooling=PoolingType.SUM) for t in ctx.tables],
             device=torch.device("meta"),
         )
-        sharder = EmbeddingBagCollectionSharder(fused_params={**_fused_params(ctx.optimizer), **(extra_fused or {})})
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused_optimizer(ctx.optimizer))
         constraints = {
             t.name: ParameterConstraints(
                 sharding_types=[sharding] if sharding else None, compute_kernels=[kernel],
@@ -156,7 +256,7 @@ class TorchrecTables(SparseModule):
         }}
 
     def _tbes(self):
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+        from baselines._fbgemm import SplitTableBatchedEmbeddingBagsCodegen
 
         # The sharded collection keeps its lookups (and their fbgemm TBEs) outside its
         # registered submodules, in ``_lookups``.
@@ -266,26 +366,35 @@ class UvmCacheStrategy(Strategy):
                                host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
-        from fbgemm_gpu.split_embedding_configs import CacheAlgorithm
-        from torchrec.distributed.types import CacheParams
+        from baselines._fbgemm import CacheAlgorithm, CacheParams
 
         cache = CacheParams(algorithm={"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}[self.params.algorithm],
                             load_factor=self.params.cache_ratio, prefetch_pipeline=False)
-        return _UvmCacheTables(ctx, kernel="fused_uvm_caching", sharding="table_wise", cache_params=cache,
-                               extra_fused={"gather_uvm_cache_stats": True})
+        return _UvmCacheTables(ctx, kernel="fused_uvm_caching", sharding="table_wise", cache_params=cache)
 
 
 class _UvmCacheTables(TorchrecTables):
-    """fbgemm's cache counters, mapped onto embbench's names."""
+    """fbgemm's cache, counted per table by a :class:`CacheObserver` on each of its TBEs."""
+
+    def __init__(self, ctx: BuildContext, **kwargs):
+        super().__init__(ctx, **kwargs)
+        self._observers = [(tbe, CacheObserver(tbe)) for tbe in self._tbes()]
 
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
-        for tbe in self._tbes():
-            row_bytes = tbe.max_D * 4  # only weights are cached (fp32); the state stays in UVM
-            for k, v in counters_from_uvm_cache_stats(tbe.get_uvm_cache_stats().tolist(), row_bytes).items():
+        for _, observer in self._observers:
+            for k, v in cache_counters(observer.counts, observer.row_bytes).items():
                 total[k] = total.get(k, 0) + v
         return total
 
     def extra_metrics(self) -> dict:
+        per_table = {}
+        for i, (tbe, observer) in enumerate(self._observers):
+            names = list(getattr(tbe, "table_names", None) or [])
+            if len(names) != observer.features:
+                names = [f"tbe{i}.feature{f}" for f in range(observer.features)]
+            for name, row in zip(names, observer.counts.tolist()):
+                per_table[name] = dict(zip(CACHE_FIELDS, row))
         return {**super().extra_metrics(),
-                "capacity_rows": sum(int(t.lxu_cache_weights.shape[0]) for t in self._tbes())}
+                "capacity_rows": sum(int(t.lxu_cache_weights.shape[0]) for t in self._tbes()),
+                "cache_per_table": per_table}  # cumulative over all training steps, warm-up included

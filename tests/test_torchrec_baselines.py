@@ -5,10 +5,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from baselines.torchrec_tables import (FBGEMM_CACHE_ASSOC, UvmCacheParams, UvmCacheStrategy, UvmStrategy,
-                                       counters_from_uvm_cache_stats, fbgemm_cache_rows)
+from hypothesis import given, settings, strategies as st
+
+from baselines.torchrec_tables import (CACHE_FIELDS, FBGEMM_CACHE_ASSOC, CacheObserver, UvmCacheParams,
+                                       UvmCacheStrategy, UvmStrategy, cache_counters, cache_step_counts,
+                                       fbgemm_cache_rows, linear_cache_indices)
 from embbench.strategy import COUNTERS, RuntimeEnv
-from tests.conftest import tiny_scenario, train_and_flush
+from tests.conftest import requires_cuda, tiny_scenario, train_and_flush
 
 CPU = RuntimeEnv(torch.device("cpu"))
 
@@ -43,9 +46,130 @@ def test_fbgemm_cache_holds_whole_sets():
     assert fbgemm_cache_rows(0.5, 64) % FBGEMM_CACHE_ASSOC == 0
 
 
-def test_fbgemm_uvm_cache_stats_map_onto_embbench_counters():
-    # calls, requested, unique, unique misses, conflict unique misses, conflict misses
-    counters = counters_from_uvm_cache_stats([3, 1000, 400, 50, 10, 12], row_bytes=516)
+@st.composite
+def cache_steps(draw):
+    """Tables, a cache state, a batch of linear indices and the state a prefetch left."""
+    sizes = draw(st.lists(st.integers(1, 8), min_size=1, max_size=3))
+    total = sum(sizes)
+    slots = draw(st.integers(1, 12))
+    resident = draw(st.lists(st.integers(0, total - 1), max_size=slots, unique=True))
+    before = resident + [-1] * (slots - len(resident))
+    before = draw(st.permutations(before))
+    after = list(before)
+    newcomers = [r for r in range(total) if r not in before]
+    for slot in draw(st.lists(st.integers(0, slots - 1), unique=True, max_size=len(newcomers))):
+        after[slot] = newcomers.pop()
+    linear = draw(st.lists(st.integers(0, total), max_size=30))  # ``total``: an id of an uncached table
+    return sizes, before, after, linear
+
+
+@settings(max_examples=100, deadline=None)
+@given(step=cache_steps())
+def test_cache_step_counts_match_a_set_based_reference(step):
+    sizes, before, after, linear = step
+    total = sum(sizes)
+    table_of = [t for t, n in enumerate(sizes) for _ in range(n)]
+    counts = cache_step_counts(torch.tensor(linear, dtype=torch.long), torch.tensor(before).view(-1, 1), torch.tensor(after).view(-1, 1),
+                               torch.tensor(table_of, dtype=torch.int32), len(sizes))
+    resident = set(before) - {-1}
+    for t in range(len(sizes)):
+        ids = [x for x in linear if x < total and table_of[x] == t]
+        changed = [(b, a) for b, a in zip(before, after) if b != a]
+        expected = {
+            "accesses": len(ids), "unique_accesses": len(set(ids)),
+            "hits": sum(x in resident for x in ids), "misses": sum(x not in resident for x in ids),
+            "unique_misses": len(set(ids) - resident),
+            "rows_admitted": sum(a >= 0 and table_of[a] == t for _, a in changed),
+            "rows_evicted": sum(b >= 0 and table_of[b] == t for b, _ in changed),
+        }
+        assert dict(zip(CACHE_FIELDS, counts[t].tolist())) == expected
+
+
+def test_linear_cache_indices_offset_each_feature_and_mark_uncached_ones():
+    # 3 features x 2 samples; feature 1's table is not cached (-1); 10 cached rows in all
+    lengths = torch.tensor([1, 2, 0, 1, 2, 1])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    indices = torch.tensor([0, 3, 4, 9, 1, 2, 5])
+    linear = linear_cache_indices(indices, offsets, torch.tensor([0, -1, 6, 10]), 10)
+    assert linear.tolist() == [0, 3, 4, 10, 6 + 1, 6 + 2, 6 + 5]
+
+
+def test_cache_counters_write_back_every_evicted_row_and_update_unadmitted_misses_in_place():
+    counts = torch.zeros(2, len(CACHE_FIELDS), dtype=torch.long)
+    field = CACHE_FIELDS.index
+    counts[0, [field("accesses"), field("unique_misses"), field("rows_admitted"), field("rows_evicted")]] = \
+        torch.tensor([100, 10, 8, 5])
+    counts[1, [field("accesses"), field("unique_misses"), field("rows_admitted")]] = torch.tensor([50, 4, 4])
+    counters = cache_counters(counts, row_bytes=[64, 32])
     assert set(counters) <= set(COUNTERS)
-    assert counters == {"accesses": 1000, "unique_accesses": 400, "unique_misses": 50, "rows_admitted": 40,
-                        "bytes_h2d": 50 * 516}
+    assert counters["accesses"] == 150 and counters["rows_written_back"] == counters["rows_evicted"] == 5
+    assert counters["bytes_h2d"] == 10 * 64 + 4 * 32
+    assert counters["bytes_d2h"] == (5 + 2) * 64  # evicted, and 2 misses that found no slot
+
+
+class _TinyCachedTbe(torch.nn.Module):
+    """The attributes CacheObserver reads of an fbgemm TBE, and a forward that fills free
+    slots with the batch's missing rows (a stand-in for fbgemm's CUDA prefetch)."""
+
+    def __init__(self, rows: list[int], slots: int):
+        super().__init__()
+        self.cache_hash_size_cumsum = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+        self.cache_index_table_map = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32),
+                                                             torch.tensor(rows))
+        self.lxu_cache_state = torch.full((slots, 1), -1)
+        self.lxu_cache_weights = torch.zeros(slots, 4)
+        self.D_offsets = torch.tensor([0, 4, 8][: len(rows) + 1], dtype=torch.int32)
+
+    def forward(self, indices, offsets):
+        linear = linear_cache_indices(indices, offsets, self.cache_hash_size_cumsum, self.cache_index_table_map.numel())
+        for row in dict.fromkeys(linear.tolist()):
+            state = self.lxu_cache_state.view(-1)
+            free = (state == -1).nonzero()
+            if row not in state.tolist() and free.numel():
+                state[free[0]] = row
+        return torch.zeros(offsets.numel() - 1, 4)
+
+
+def test_cache_observer_counts_training_forwards_only():
+    tbe = _TinyCachedTbe(rows=[5, 5], slots=3)
+    observer = CacheObserver(tbe)
+    # 2 features x 2 samples: feature 0 ids [1], [1, 2]; feature 1 ids [0], [4]
+    tbe(indices=torch.tensor([1, 1, 2, 0, 4]), offsets=torch.tensor([0, 1, 3, 4, 5]))
+    with torch.no_grad():
+        tbe(torch.tensor([3, 3]), torch.tensor([0, 1, 1, 2, 2]))  # evaluation: not counted
+    tbe(torch.tensor([1, 0, 0]), torch.tensor([0, 1, 1, 2, 3]))
+    c = {f: observer.counts[:, i].tolist() for i, f in enumerate(CACHE_FIELDS)}
+    assert c["accesses"] == [4, 4] and c["unique_accesses"] == [3, 3]
+    # step 1: nothing cached; rows 1, 2 (table 0) and 5 (table 1, id 0) fill the 3 slots, 9 finds none
+    # step 2: id 1 of table 0 hits once, id 0 of table 1 twice
+    assert c["hits"] == [1, 2] and c["misses"] == [3, 2] and c["unique_misses"] == [2, 2]
+    assert c["rows_admitted"] == [2, 1] and c["rows_evicted"] == [0, 0]
+    assert observer.row_bytes == [16, 16]
+
+
+@requires_cuda
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_cache_counts_agree_with_fbgemm_on_cuda(algorithm):
+    """On a real fbgemm cache: LRU's own uvm_cache_stats give the same unique counts; for
+    both algorithms the counts add up and the slots in use equal admitted minus evicted."""
+    from baselines import _fbgemm as fb
+
+    rows, dim, batch = [3000, 500], 8, 256
+    tbe = fb.SplitTableBatchedEmbeddingBagsCodegen(
+        [(n, dim, fb.EmbeddingLocation.MANAGED_CACHING, fb.ComputeDevice.CUDA) for n in rows],
+        cache_algorithm={"lru": fb.CacheAlgorithm.LRU, "lfu": fb.CacheAlgorithm.LFU}[algorithm],
+        cache_load_factor=0.1, gather_uvm_cache_stats=True, optimizer=fb.EmbOptimType.EXACT_SGD, learning_rate=0.1)
+    observer = CacheObserver(tbe)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = [(torch.rand(batch, generator=g) ** 3 * n).long() for n in rows]  # skewed
+        offsets = torch.arange(len(rows) * batch + 1)
+        tbe(indices=torch.cat(ids).cuda(), offsets=offsets.cuda()).sum().backward()
+    c = {f: observer.counts[:, i].sum().item() for i, f in enumerate(CACHE_FIELDS)}
+    assert c["accesses"] == 20 * batch * len(rows) == c["hits"] + c["misses"]
+    assert 0 < c["rows_admitted"] <= c["unique_misses"] <= c["unique_accesses"]
+    assert c["rows_admitted"] - c["rows_evicted"] == int((tbe.lxu_cache_state >= 0).sum())
+    if algorithm == "lru":
+        stats = tbe.get_uvm_cache_stats().tolist()  # calls, requested, unique, unique misses, conflict unique misses, ...
+        assert c["accesses"] == stats[1] and c["unique_accesses"] == stats[2] and c["unique_misses"] == stats[3]
+        assert c["rows_admitted"] == stats[3] - stats[4]
