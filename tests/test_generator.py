@@ -90,8 +90,8 @@ def _frozen_batch(tables, seed, stream, index, batch_size):
 # --- end of the frozen copy
 
 
-def _assert_identical(tables, seed, stream, index, batch_size):
-    got = SyntheticCriteo(tables, seed).batch(stream, index, batch_size)
+def _assert_identical(tables, seed, stream, index, batch_size, **drift):
+    got = SyntheticCriteo(tables, seed, **drift).batch(stream, index, batch_size)
     values, lengths, dense, labels = _frozen_batch(tables, seed, stream, index, batch_size)
     assert torch.equal(got.sparse.values, values)
     assert torch.equal(got.sparse.lengths, lengths) and got.sparse.lengths.dtype == lengths.dtype
@@ -108,6 +108,11 @@ def test_batches_are_those_of_the_per_table_generator(preset, scale, batch_size)
     tables = make_tables(preset, 8, scale)
     for stream, index in [(Stream.TRAIN, 0), (Stream.TRAIN, 7), (Stream.EVAL, 3)]:
         _assert_identical(tables, 11, stream, index, batch_size)
+
+
+def test_drift_off_by_default_and_with_a_zero_fraction():
+    tables = make_tables("criteo_kaggle", 8, 0.001)
+    _assert_identical(tables, 2, Stream.TRAIN, 25, 128, drift_every=10, drift_fraction=0.0)
 
 
 @settings(max_examples=25, deadline=None)

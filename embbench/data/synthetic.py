@@ -26,7 +26,10 @@ from torch import Tensor
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES, TableSpec
 
-__all__ = ["Stream", "SyntheticCriteo", "ZipfSampler"]
+__all__ = ["DRIFT_HOT_SHARE", "Stream", "SyntheticCriteo", "ZipfSampler"]
+
+#: Drift remaps a share of each table's hot ids: the hot ids are its most popular 1 % of rows.
+DRIFT_HOT_SHARE = 0.01
 
 
 class Stream(IntEnum):
@@ -179,13 +182,84 @@ class _Group:
         self.phase = column(phases)
         self.weights = weights[self.term_rows - 1].view(-1, 1)
 
-    def ids_and_terms(self, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    def ids_and_terms(self, uniforms: Tensor, remap) -> tuple[Tensor, Tensor]:
         """The group's ids ``[tables, B * bag]`` from its draws (``[tables, B * bag]`` in
-        ``[0, 1)``), and each table's term of the logit ``[tables, B]``."""
+        ``[0, 1)``), and each table's term of the logit ``[tables, B]``. ``remap`` turns
+        popularity ranks into base ranks (drift); None keeps them."""
         ranks = _zipf_ranks(uniforms * self.total, self.head_cdf, self.alpha, self.tail, self.n)
+        if remap is not None:
+            ranks = remap(ranks)
         ids = (ranks * self.scatter_a + self.scatter_b) % self.n
         effect = _hash_effect(ids, self.phase).view(len(self.indices), -1, self.bag).mean(2)
         return ids, self.weights * effect
+
+
+class _Drift:
+    """Which base rank sits at each popularity rank, drift epoch by drift epoch.
+
+    At each epoch every table swaps ``round(fraction * hot)`` randomly chosen hot ranks
+    (the first ``hot = max(1, DRIFT_HOT_SHARE * rows)``) with as many random colder ranks,
+    on top of the previous epoch's arrangement: hot ids go cold, cold ids turn hot, and the
+    change accumulates. An epoch's arrangement is a sorted map (moved rank -> base rank);
+    ranks not in it are where they started. Epochs are computed forward from the last one
+    asked for (from the start when an earlier one is asked for), on the host.
+    """
+
+    def __init__(self, tables: list[TableSpec], seed: int, fraction: float):
+        self.tables, self.seed, self.fraction = tables, seed, fraction
+        self._epoch, self._maps = 0, self._start()
+
+    def _start(self) -> list[tuple[Tensor, Tensor]]:
+        empty = torch.empty(0, dtype=torch.long)
+        return [(empty, empty)] * len(self.tables)
+
+    @staticmethod
+    def lookup(keys: Tensor, values: Tensor, ranks: Tensor) -> Tensor:
+        """Base ranks of ``ranks`` under the map ``keys -> values`` (rows of keys padded with
+        a key larger than any rank)."""
+        if keys.shape[-1] == 0:
+            return ranks
+        at = torch.searchsorted(keys, ranks).clamp_max(keys.shape[-1] - 1)
+        return torch.where(keys.gather(-1, at) == ranks, values.gather(-1, at), ranks)
+
+    def maps(self, epoch: int) -> list[tuple[Tensor, Tensor]]:
+        """Per table, the sorted (moved rank, base rank) pairs of this epoch."""
+        if epoch < self._epoch:
+            self._epoch, self._maps = 0, self._start()
+        while self._epoch < epoch:
+            self._epoch += 1
+            self._maps = [self._step(t, keys, values) for t, (keys, values) in enumerate(self._maps)]
+        return self._maps
+
+    def _step(self, table: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        n = self.tables[table].num_rows
+        hot = max(1, int(n * DRIFT_HOT_SHARE))
+        count = min(round(self.fraction * hot), n - hot)
+        if count <= 0:
+            return keys, values
+        g = torch.Generator().manual_seed(_mix(self.seed, 5, table, self._epoch))
+        moved = torch.cat([torch.randperm(hot, generator=g)[:count], hot + _distinct(n - hot, count, g)])
+        base = self.lookup(keys, values, moved)
+        swapped = torch.cat([base[count:], base[:count]])  # each hot rank takes its partner's id
+        keep = ~torch.isin(keys, moved)
+        keys, values = torch.cat([keys[keep], moved]), torch.cat([values[keep], swapped])
+        order = torch.argsort(keys)
+        return keys[order], values[order]
+
+
+def _distinct(n: int, count: int, g: torch.Generator) -> Tensor:
+    """``count`` distinct uniform integers in ``[0, n)`` (a uniformly random subset, in random order)."""
+    if n <= 4 * count + 4096:
+        return torch.randperm(n, generator=g)[:count]
+    drawn = torch.empty(0, dtype=torch.long)
+    while True:  # rejection: almost always one round, as count <= n / 4
+        drawn = torch.cat([drawn, torch.randint(0, n, (2 * count,), generator=g)])
+        unique, inverse = torch.unique(drawn, return_inverse=True)
+        if unique.numel() >= count:
+            break
+    # the first draw of each value, in draw order: sequential sampling without replacement
+    first = torch.full((unique.numel(),), drawn.numel()).scatter_reduce(0, inverse, torch.arange(drawn.numel()), "amin")
+    return drawn[first.sort().values[:count]]
 
 
 def _sum_rows_in_order(terms: Tensor) -> Tensor:
@@ -206,11 +280,22 @@ class SyntheticCriteo:
 
     Args:
         tables: the tables (cardinality, bag size, Zipf exponent each).
-        seed: everything (ids, the id scatter, the teacher) derives from it.
+        seed: everything (ids, the id scatter, the teacher, the drift) derives from it.
         device: where batches are generated.
+        drift_every: with ``drift_fraction``, the popular ids change every this many batches
+            (batch ``index`` of either stream sees the popularity of epoch
+            ``index // drift_every``, see :class:`_Drift`); None: never.
+        drift_fraction: the share of each table's hot ids remapped at each drift epoch.
     """
 
-    def __init__(self, tables: list[TableSpec], seed: int, device: torch.device | str = "cpu"):
+    def __init__(self, tables: list[TableSpec], seed: int, device: torch.device | str = "cpu",
+                 drift_every: int | None = None, drift_fraction: float = 0.0):
+        if drift_every is not None and drift_every < 1:
+            raise ValueError(f"SyntheticCriteo: drift_every must be a positive number of batches, got {drift_every}")
+        if not 0.0 <= drift_fraction <= 1.0:
+            raise ValueError(f"SyntheticCriteo: drift_fraction must lie in [0, 1], got {drift_fraction}")
+        if drift_fraction > 0 and drift_every is None:
+            raise ValueError("SyntheticCriteo: drift_fraction needs drift_every (how many batches between changes)")
         self.tables = tables
         self.seed = seed
         self.device = torch.device(device)
@@ -234,6 +319,9 @@ class SyntheticCriteo:
                    [_phase(_mix(seed, 4, i)) for i in idx], self.table_weights, self.device)
             for idx in by_key.values()
         ]
+        self.drift_every = drift_every
+        self._drift = _Drift(tables, seed, drift_fraction) if drift_every and drift_fraction > 0 else None
+        self._drift_maps: tuple[int, list[tuple[Tensor, Tensor]]] | None = None
         self._bags = torch.tensor([t.bag_size for t in tables], device=self.device)
         self._row_of_table: list[tuple[int, int]] = [(0, 0)] * len(tables)  # (group, row) of each table
         for g, group in enumerate(self.groups):
@@ -241,10 +329,32 @@ class SyntheticCriteo:
                 self._row_of_table[i] = (g, row)
         self._generator = torch.Generator(self.device)
 
-    def hot_ids(self, table: int, count: int) -> Tensor:
-        """The ``count`` most popular ids of a table, hottest first (for tests)."""
+    def _remaps(self, index: int) -> list:
+        """Per group, the drift remap of batch ``index`` (None where nothing moved)."""
+        epoch = index // self.drift_every if self._drift is not None else 0
+        if epoch == 0:
+            return [None] * len(self.groups)
+        if self._drift_maps is None or self._drift_maps[0] != epoch:
+            maps = self._drift.maps(epoch)
+            padded = []
+            for group in self.groups:
+                width = max(maps[i][0].numel() for i in group.indices)
+                keys = torch.full((len(group.indices), width), torch.iinfo(torch.long).max, dtype=torch.long)
+                values = torch.zeros_like(keys)
+                for row, i in enumerate(group.indices):
+                    k, v = maps[i]
+                    keys[row, : k.numel()], values[row, : v.numel()] = k, v
+                padded.append((keys.to(self.device), values.to(self.device)))
+            self._drift_maps = (epoch, padded)
+        return [lambda ranks, k=k, v=v: _Drift.lookup(k, v, ranks) for k, v in self._drift_maps[1]]
+
+    def hot_ids(self, table: int, count: int, index: int = 0) -> Tensor:
+        """The ``count`` most popular ids of a table at batch ``index``, hottest first."""
         count = min(count, self.tables[table].num_rows)
-        return self.scatters[table](torch.arange(count, device=self.device))
+        ranks = torch.arange(count)
+        if self._drift is not None and index // self.drift_every > 0:
+            ranks = _Drift.lookup(*self._drift.maps(index // self.drift_every)[table], ranks)
+        return self.scatters[table](ranks.to(self.device))
 
     def batch(self, stream: Stream, index: int, batch_size: int) -> Batch:
         """Batch ``index`` of ``stream``: the same seed and address give the same batch."""
@@ -260,8 +370,8 @@ class SyntheticCriteo:
         terms = torch.empty(len(self.tables) + 1, batch_size, dtype=torch.float64, device=self.device)
         terms[0] = self.bias
         ids = []
-        for group, u in zip(self.groups, uniforms):
-            group_ids, group_terms = group.ids_and_terms(u)
+        for group, u, remap in zip(self.groups, uniforms, self._remaps(index)):
+            group_ids, group_terms = group.ids_and_terms(u, remap)
             terms.index_copy_(0, group.term_rows, group_terms)
             ids.append(group_ids)
         logit = _sum_rows_in_order(terms)
