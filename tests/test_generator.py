@@ -90,8 +90,8 @@ def _frozen_batch(tables, seed, stream, index, batch_size):
 # --- end of the frozen copy
 
 
-def _assert_identical(tables, seed, stream, index, batch_size, **drift):
-    got = SyntheticCriteo(tables, seed, **drift).batch(stream, index, batch_size)
+def _assert_identical(tables, seed, stream, index, batch_size, data=None, **drift):
+    got = (data or SyntheticCriteo(tables, seed, **drift)).batch(stream, index, batch_size)
     values, lengths, dense, labels = _frozen_batch(tables, seed, stream, index, batch_size)
     assert torch.equal(got.sparse.values, values)
     assert torch.equal(got.sparse.lengths, lengths) and got.sparse.lengths.dtype == lengths.dtype
@@ -106,8 +106,10 @@ def _assert_identical(tables, seed, stream, index, batch_size, **drift):
 ])
 def test_batches_are_those_of_the_per_table_generator(preset, scale, batch_size):
     tables = make_tables(preset, 8, scale)
-    for stream, index in [(Stream.TRAIN, 0), (Stream.TRAIN, 7), (Stream.EVAL, 3)]:
-        _assert_identical(tables, 11, stream, index, batch_size)
+    data = SyntheticCriteo(tables, 11)  # one generator object for all: no state leaks between batches
+    for stream, index, size in [(Stream.TRAIN, 0, batch_size), (Stream.TRAIN, 7, batch_size), (Stream.EVAL, 3, batch_size),
+                                (Stream.TRAIN, 7, 1), (Stream.TRAIN, 0, batch_size)]:
+        _assert_identical(tables, 11, stream, index, size, data)
 
 
 def test_drift_off_by_default_and_with_a_zero_fraction():
