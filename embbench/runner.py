@@ -302,6 +302,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             "ci95": confidence_interval(repeat_throughput),
         },
         "generator_samples_per_s": generator_rate,
+        # whether the data source replays its batches from a CUDA graph (None: it does not say)
+        "generator_cuda_graph": data.uses_cuda_graph(global_batch) if hasattr(data, "uses_cuda_graph") else None,
         "ops_per_step": ops.ops / _OPS_STEPS,
         "host_syncs_per_step": None if ops.host_syncs is None else ops.host_syncs / _OPS_STEPS,
         "schedule": "strategy" if stream.scheduled else "data",

@@ -2,6 +2,7 @@
 lengths, dense features and labels must be bit-identical), and its rate in every record."""
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from embbench.data import Stream, SyntheticCriteo, TableSpec, make_tables
 from embbench.data.presets import NUM_DENSE_FEATURES
-from embbench.data.synthetic import _mix
+from embbench.data.synthetic import _GraphedBatch, _mix
 from embbench.runner import run_cell
 from embbench.scenario import Cell, parse_scenario
 from embbench.strategy import RuntimeEnv
@@ -130,3 +131,43 @@ def test_every_record_carries_the_generators_warm_rate():
     scenario, _ = parse_scenario(tiny_scenario(), "t")
     metrics = run_cell(scenario, Cell("device"), RuntimeEnv(torch.device("cpu")))
     assert metrics["generator_samples_per_s"] > 0 and metrics["warmup_steps_run"] >= 1
+    assert metrics["generator_cuda_graph"] is False  # on the CPU batches are made eagerly
+
+
+class _Stub:
+    def wait_stream(self, other):
+        pass
+
+
+def _fake_cuda(monkeypatch, graph_class):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_class)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stub())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stub())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: nullcontext())
+
+
+def test_a_cuda_graph_that_does_not_reproduce_the_eager_batch_is_never_used(monkeypatch):
+    class ReplaysNothing:  # its output stays the batch made while "capturing"
+        def register_generator_state(self, generator):
+            pass
+
+        def replay(self):
+            pass
+
+    _fake_cuda(monkeypatch, ReplaysNothing)
+    data = SyntheticCriteo(make_tables("criteo_kaggle", 8, 0.001), 0)
+    with pytest.warns(UserWarning, match="batches of 32 are made without a CUDA graph .its probe batch differs"):
+        assert _GraphedBatch.capture(data, 32) is None
+
+
+def test_a_cuda_graph_that_cannot_be_made_leaves_the_eager_batches(monkeypatch):
+    class NoGenerators:
+        def register_generator_state(self, generator):
+            raise RuntimeError("no graph-safe generators here")
+
+    _fake_cuda(monkeypatch, NoGenerators)
+    data = SyntheticCriteo(make_tables("criteo_kaggle", 8, 0.001), 0)
+    with pytest.warns(UserWarning, match="RuntimeError: no graph-safe generators here"):
+        assert _GraphedBatch.capture(data, 32) is None
+    _assert_identical(data.tables, 0, Stream.TRAIN, 4, 32, data)

@@ -328,6 +328,7 @@ class SyntheticCriteo:
             for row, i in enumerate(group.indices):
                 self._row_of_table[i] = (g, row)
         self._generator = torch.Generator(self.device)
+        self._graphs: dict[int, _GraphedBatch | None] = {}
 
     def _remaps(self, index: int) -> list:
         """Per group, the drift remap of batch ``index`` (None where nothing moved)."""
@@ -358,7 +359,23 @@ class SyntheticCriteo:
 
     def batch(self, stream: Stream, index: int, batch_size: int) -> Batch:
         """Batch ``index`` of ``stream``: the same seed and address give the same batch."""
-        g = self._generator.manual_seed(_mix(self.seed, 3, int(stream), index))
+        seed = _mix(self.seed, 3, int(stream), index)
+        remaps = self._remaps(index)
+        if self.device.type == "cuda" and not any(remaps):
+            if batch_size not in self._graphs:
+                self._graphs[batch_size] = _GraphedBatch.capture(self, batch_size)
+            if self._graphs[batch_size] is not None:
+                return self._graphs[batch_size](seed)
+        self._generator.manual_seed(seed)
+        return self._make(batch_size, remaps)
+
+    def uses_cuda_graph(self, batch_size: int) -> bool:
+        """Whether batches of this size are replayed from a CUDA graph (see :class:`_GraphedBatch`)."""
+        return self._graphs.get(batch_size) is not None
+
+    def _make(self, batch_size: int, remaps: list) -> Batch:
+        """A batch from the generator as seeded (no host synchronisation: CUDA graphs can hold it)."""
+        g = self._generator
         # The draws, table by table in table order, then dense, then labels: the random
         # stream every batch has always used (each table's draw lands in its group's row).
         uniforms = [torch.empty(len(grp.indices), batch_size * grp.bag, dtype=torch.float64, device=self.device)
@@ -370,7 +387,7 @@ class SyntheticCriteo:
         terms = torch.empty(len(self.tables) + 1, batch_size, dtype=torch.float64, device=self.device)
         terms[0] = self.bias
         ids = []
-        for group, u, remap in zip(self.groups, uniforms, self._remaps(index)):
+        for group, u, remap in zip(self.groups, uniforms, remaps):
             group_ids, group_terms = group.ids_and_terms(u, remap)
             terms.index_copy_(0, group.term_rows, group_terms)
             ids.append(group_ids)
@@ -382,3 +399,54 @@ class SyntheticCriteo:
         values = torch.cat([rows[group][row] for group, row in self._row_of_table])
         lengths = self._bags.view(-1, 1).expand(-1, batch_size).reshape(-1)
         return Batch(dense, SparseFeatures(values, lengths, len(self.tables)), labels)
+
+
+class _GraphedBatch:
+    """One batch size's work recorded as a CUDA graph and replayed: one launch instead of ~100.
+
+    The replay runs the very kernels of the eager batch; its random numbers come from the
+    generator's seed and offset as they are at replay (the generator is registered with the
+    graph), so they are the eager ones. That is checked on a probe batch before the graph is
+    used; where capture fails or the probe differs, batches are made eagerly (with a warning).
+    Drifted batches are always made eagerly (their remaps change between epochs).
+    """
+
+    def __init__(self, data: SyntheticCriteo, graph, out: Batch):
+        self.data, self.graph, self.out = data, graph, out
+
+    def __call__(self, seed: int) -> Batch:
+        self.data._generator.manual_seed(seed)
+        self.graph.replay()
+        out = self.out  # the graph's own buffers, overwritten by the next replay: copied out
+        return Batch(out.dense.clone(), SparseFeatures(out.sparse.values.clone(), out.sparse.lengths.clone(),
+                                                       out.sparse.num_tables), out.labels.clone())
+
+    @staticmethod
+    def capture(data: SyntheticCriteo, batch_size: int) -> "_GraphedBatch | None":
+        import warnings
+
+        no_remaps = [None] * len(data.groups)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            graph.register_generator_state(data._generator)
+            side = torch.cuda.Stream(data.device)
+            side.wait_stream(torch.cuda.current_stream(data.device))
+            with torch.cuda.stream(side):  # warm-up outside the graph (lazy initialisation)
+                data._make(batch_size, no_remaps)
+            torch.cuda.current_stream(data.device).wait_stream(side)
+            with torch.cuda.graph(graph):
+                out = data._make(batch_size, no_remaps)
+            graphed = _GraphedBatch(data, graph, out)
+            probe = _mix(data.seed, 6, batch_size)
+            got = graphed(probe)
+            data._generator.manual_seed(probe)
+            want = data._make(batch_size, no_remaps)
+            same = (torch.equal(got.sparse.values, want.sparse.values) and torch.equal(got.dense, want.dense)
+                    and torch.equal(got.labels, want.labels) and torch.equal(got.sparse.lengths, want.sparse.lengths))
+            if same:
+                return graphed
+            reason = "its probe batch differs from the eager one"
+        except Exception as exc:  # any failure: the eager path is always there
+            reason = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"SyntheticCriteo: batches of {batch_size} are made without a CUDA graph ({reason})", stacklevel=3)
+        return None
