@@ -144,7 +144,7 @@ def _fake_cuda(monkeypatch, graph_class):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stub())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stub())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph: nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **options: nullcontext())
 
 
 def test_a_cuda_graph_that_does_not_reproduce_the_eager_batch_is_never_used(monkeypatch):

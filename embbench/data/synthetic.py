@@ -434,7 +434,8 @@ class _GraphedBatch:
             with torch.cuda.stream(side):  # warm-up outside the graph (lazy initialisation)
                 data._make(batch_size, no_remaps)
             torch.cuda.current_stream(data.device).wait_stream(side)
-            with torch.cuda.graph(graph):
+            # thread_local: a capture never makes another thread's CUDA calls fail
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = data._make(batch_size, no_remaps)
             graphed = _GraphedBatch(data, graph, out)
             probe = _mix(data.seed, 6, batch_size)
