@@ -18,13 +18,14 @@ from embbench.strategy import RuntimeEnv
 from tests.conftest import tiny_scenario
 
 
-# --- frozen: the generator as of commit 7d35393 (one table after another), kept verbatim in
-# --- its arithmetic. Do not edit: it is what "the same batches as before" means.
+# --- frozen: the generator as of commit 7d35393 (one table after another, everything on the
+# --- target device), kept verbatim in its arithmetic. Do not edit: it is what "the same
+# --- batches as before" means.
 class _FrozenZipf:
-    def __init__(self, n, alpha, head=4096):
+    def __init__(self, n, alpha, device, head=4096):
         self.n, self.alpha = n, alpha
         self.head = min(n, head)
-        ranks = torch.arange(1, self.head + 1, dtype=torch.float64)
+        ranks = torch.arange(1, self.head + 1, dtype=torch.float64, device=device)
         self.head_cdf = torch.cumsum(ranks.pow(-alpha), 0)
         self.head_mass = float(self.head_cdf[-1])
         self.tail_lo = self.head + 0.5
@@ -39,7 +40,7 @@ class _FrozenZipf:
         self.total = self.head_mass + self.tail_mass
 
     def sample(self, count, generator):
-        u = torch.rand(count, dtype=torch.float64, generator=generator) * self.total
+        u = torch.rand(count, dtype=torch.float64, device=self.head_cdf.device, generator=generator) * self.total
         ranks = torch.searchsorted(self.head_cdf, u, right=True)
         if self.tail_mass > 0:
             v = (u - self.head_mass).clamp_min(0)
@@ -68,49 +69,55 @@ def _frozen_effect(ids, table_seed):
     return (x - torch.floor(x)) * 2 - 1
 
 
-def _frozen_batch(tables, seed, stream, index, batch_size):
-    samplers = [_FrozenZipf(t.num_rows, t.alpha) for t in tables]
+def _frozen_batch(tables, seed, stream, index, batch_size, device="cpu"):
+    samplers = [_FrozenZipf(t.num_rows, t.alpha, device) for t in tables]
     scatters = [_frozen_scatter(t.num_rows, _mix(seed, 1, i)) for i, t in enumerate(tables)]
     g0 = torch.Generator().manual_seed(_mix(seed, 2))
     n = len(tables)
-    table_weights = torch.randn(n, generator=g0, dtype=torch.float64) * 2.5 / math.sqrt(n)
-    dense_weights = torch.randn(NUM_DENSE_FEATURES, generator=g0, dtype=torch.float64) * 0.3
-    g = torch.Generator().manual_seed(_mix(seed, 3, int(stream), index))
+    table_weights = (torch.randn(n, generator=g0, dtype=torch.float64) * 2.5 / math.sqrt(n)).to(device)
+    dense_weights = (torch.randn(NUM_DENSE_FEATURES, generator=g0, dtype=torch.float64) * 0.3).to(device)
+    g = torch.Generator(device).manual_seed(_mix(seed, 3, int(stream), index))
     values, lengths = [], []
-    logit = torch.full((batch_size,), -1.0, dtype=torch.float64)
+    logit = torch.full((batch_size,), -1.0, dtype=torch.float64, device=device)
     for i, (table, sampler, scatter) in enumerate(zip(tables, samplers, scatters)):
         ids = scatter(sampler.sample(batch_size * table.bag_size, g))
         values.append(ids)
-        lengths.append(torch.full((batch_size,), table.bag_size, dtype=torch.long))
+        lengths.append(torch.full((batch_size,), table.bag_size, dtype=torch.long, device=device))
         effect = _frozen_effect(ids, _mix(seed, 4, i)).view(batch_size, table.bag_size).mean(1)
         logit += table_weights[i] * effect
-    dense = torch.randn(batch_size, NUM_DENSE_FEATURES, generator=g)
+    dense = torch.randn(batch_size, NUM_DENSE_FEATURES, generator=g, device=device)
     logit += dense.double() @ dense_weights
-    labels = (torch.rand(batch_size, generator=g, dtype=torch.float64) < torch.sigmoid(logit)).float()
+    labels = (torch.rand(batch_size, generator=g, device=device, dtype=torch.float64) < torch.sigmoid(logit)).float()
     return torch.cat(values), torch.cat(lengths), dense, labels
 # --- end of the frozen copy
 
 
 def _assert_identical(tables, seed, stream, index, batch_size, data=None, **drift):
-    got = (data or SyntheticCriteo(tables, seed, **drift)).batch(stream, index, batch_size)
-    values, lengths, dense, labels = _frozen_batch(tables, seed, stream, index, batch_size)
+    data = data or SyntheticCriteo(tables, seed, **drift)
+    got = data.batch(stream, index, batch_size)
+    values, lengths, dense, labels = _frozen_batch(tables, seed, stream, index, batch_size, data.device)
     assert torch.equal(got.sparse.values, values)
     assert torch.equal(got.sparse.lengths, lengths) and got.sparse.lengths.dtype == lengths.dtype
     assert torch.equal(got.dense, dense) and got.dense.dtype == dense.dtype
     assert torch.equal(got.labels, labels) and got.labels.dtype == labels.dtype
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # on CUDA: the graph replays too
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset,scale,batch_size", [
-    ("criteo_kaggle", 0.001, 512),    # one group; tails and tail-less tables side by side
+    ("criteo_kaggle", 0.001, 512),    # a group with tails and one without
     ("criteo_1tb", 0.0005, 77),       # a batch size no vector width divides
-    ("mlperf_dcnv2", 0.0001, 64),     # twelve bag sizes: twelve groups
+    ("mlperf_dcnv2", 0.0001, 64),     # many bag sizes: many groups
 ])
-def test_batches_are_those_of_the_per_table_generator(preset, scale, batch_size):
+def test_batches_are_those_of_the_per_table_generator(preset, scale, batch_size, device):
     tables = make_tables(preset, 8, scale)
-    data = SyntheticCriteo(tables, 11)  # one generator object for all: no state leaks between batches
+    data = SyntheticCriteo(tables, 11, device)  # one generator object for all: no state leaks between batches
     for stream, index, size in [(Stream.TRAIN, 0, batch_size), (Stream.TRAIN, 7, batch_size), (Stream.EVAL, 3, batch_size),
                                 (Stream.TRAIN, 7, 1), (Stream.TRAIN, 0, batch_size)]:
         _assert_identical(tables, 11, stream, index, size, data)
+    assert data.uses_cuda_graph(batch_size) == (device == "cuda")
 
 
 def test_drift_off_by_default_and_with_a_zero_fraction():
