@@ -371,7 +371,8 @@ class SyntheticCriteo:
         return self._make(batch_size, remaps)
 
     def uses_cuda_graph(self, batch_size: int) -> bool:
-        """Whether batches of this size are replayed from a CUDA graph (see :class:`_GraphedBatch`)."""
+        """Whether batches of this size are replayed from a CUDA graph (see :class:`_GraphedBatch`;
+        batches after a drift change never are)."""
         return self._graphs.get(batch_size) is not None
 
     def _make(self, batch_size: int, remaps: list) -> Batch:
