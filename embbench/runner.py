@@ -210,10 +210,11 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     warmup_run = step_index
     _check_finite(warmup_losses, 0)
 
-    # The generator alone, warm, outside any timed step: visibly never the bottleneck.
+    # The generator alone, warm, outside any timed step: visibly never the bottleneck. (It
+    # makes the batches the run is about to train: where a drifting source's state is.)
     with StepTimer(device) as t:
         for i in range(3):
-            data.batch(Stream.TRAIN, 10**9 + i, global_batch)
+            data.batch(Stream.TRAIN, step_index + i, global_batch)
     generator_rate = 3 * global_batch / t.seconds
 
     counters_before = sparse.counters()
@@ -301,6 +302,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             "ci95": confidence_interval(repeat_throughput),
         },
         "generator_samples_per_s": generator_rate,
+        # whether the data source replays its batches from a CUDA graph (None: it does not say)
+        "generator_cuda_graph": data.uses_cuda_graph(global_batch) if hasattr(data, "uses_cuda_graph") else None,
         "ops_per_step": ops.ops / _OPS_STEPS,
         "host_syncs_per_step": None if ops.host_syncs is None else ops.host_syncs / _OPS_STEPS,
         "schedule": "strategy" if stream.scheduled else "data",
