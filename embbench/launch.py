@@ -103,20 +103,19 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
         spec_path = tmp_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         port = _free_port()
-        procs, logs = [], []
-        for rank in range(cell.world_size):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
-                       LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       PYTHONUNBUFFERED="1", EMBBENCH_LAUNCHER_PID=str(os.getpid()))
-            log = log_dir / f"{cell.slug}.rank{rank}.log"
-            logs.append(log)
-            with open(log, "w") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
-                                              stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        procs: list[subprocess.Popen] = []
+        logs = [log_dir / f"{cell.slug}.rank{rank}.log" for rank in range(cell.world_size)]
         deadline = time.monotonic() + limit
         first_failure: float | None = None
         progress = None
         try:
+            for rank, log in enumerate(logs):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
+                           LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           PYTHONUNBUFFERED="1", EMBBENCH_LAUNCHER_PID=str(os.getpid()))
+                with open(log, "w") as out:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
+                                                  stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
             while any(p.poll() is None for p in procs):
                 progress = _poll_progress(tmp_dir / "progress.json", progress, on_progress)
                 now = time.monotonic()
@@ -182,15 +181,17 @@ def reusable_records(out_dir: Path, scenario: Scenario, weights_dir: Path | None
     for path in sorted(out_dir.glob("*.json")):
         try:
             record = read_record(path)
-            if record.status == "ok" and weights_dir is not None and record.metrics.get("weights_file"):
+            if record.scenario.get("digest") != digest:
+                stale.append(path.name)
+                continue
+            if record.status != "ok":
+                continue
+            if weights_dir is not None and record.metrics.get("weights_file"):
                 _load_weights(weights_dir / record.metrics["weights_file"])
         except RecordError as e:
             on_notice(f"{e}; that cell runs again")
             continue
-        if record.scenario.get("digest") != digest:
-            stale.append(path.name)
-        elif record.status == "ok":
-            done[record.cell_id] = record
+        done[record.cell_id] = record
     if stale:
         on_notice(f"{out_dir}: {len(stale)} record(s) were made with another scenario (other --steps, --scale or "
                   f"edits; digest differs from {digest[:10]}): {', '.join(stale)}; those cells run again")
@@ -328,6 +329,7 @@ def run_cells_in_job(scenario: Scenario, scenario_file: str, cells: list[Cell], 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=scenario.run.time_limit_s))
     env = RuntimeEnv(device, world, rank)
+    lost: list[str] = []  # the cell in which the job lost a rank: no collective works after it
 
     def execute(cell: Cell, weights: Path | None) -> CellOutcome:
         if cell.world_size != world:
@@ -335,13 +337,24 @@ def run_cells_in_job(scenario: Scenario, scenario_file: str, cells: list[Cell], 
         refused = _plugin_refusal(cell, env)
         if refused:
             return refused
+        if lost:
+            return CellOutcome("error", f"not run: the job lost a rank in {lost[0]}; run again with --resume", None)
         metrics, mine = None, {"status": "ok"}
         try:
             metrics = run_cell(scenario, cell, env, weights, dist.group.WORLD)
         except Exception as exc:
             mine = {"status": _classify(exc), "message": f"rank {rank}: {type(exc).__name__}: {exc}", "time": time.time()}
+        except KeyboardInterrupt:  # torchrun stops every rank when one dies (and on Ctrl-C)
+            lost.append(cell.id)
+            return CellOutcome("error", f"rank {rank}: stopped by torchrun (a rank died, or Ctrl-C)", None)
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
+        try:
+            dist.all_gather_object(everyone, mine)
+        except Exception as exc:  # a peer was killed, or hung past the process group's timeout
+            lost.append(cell.id)
+            why = mine.get("message") or f"rank {rank}: {type(exc).__name__}: {exc}"
+            return CellOutcome(mine["status"] if mine["status"] != "ok" else "error",
+                               f"{why} (a peer rank was killed or hung: the ranks could not agree)", None)
         failures = [o for o in everyone if o["status"] != "ok"]
         if failures:
             first = min(failures, key=lambda o: o["time"])
