@@ -48,6 +48,8 @@ def _dry_run(scenario, cells) -> None:
             continue
         if cell.world_size > limit:
             too_big = f"needs {cell.world_size} ranks; at most {limit} {what}"
+        if too_big:
+            too_big = too_big.removeprefix("not attempted: ").removesuffix(" (--force runs it anyway)")
         fits = "?" if estimate is None and not too_big else f"[red]no[/red]: {escape(too_big)}" if too_big else "yes"
         gib = (lambda key: f"{estimate[key] / 2**30:,.3f}") if estimate else (lambda key: "?")
         grid.add_row(escape(cell.id), gib("device"), gib("host"), fits)
