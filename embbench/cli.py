@@ -173,6 +173,8 @@ def cmd_project(args: argparse.Namespace) -> int:
     for col in ["measured cell", "W0", "T0 ms", "world", "link", "GB/s", "step ms", "samples/s"]:
         table.add_column(col, justify="left" if col in ("measured cell", "link") else "right")
     for record in records:
+        if "config" not in record.scenario:
+            raise RecordError(f"{args.results}: the record of {record.cell_id} holds no scenario config to project from")
         scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
         t0 = record.metrics["step_time_s"]["median"] * 1e3
         for row in project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6):
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
-    except (ScenarioError, RecordError, FileNotFoundError, ValueError) as e:
+    except (ScenarioError, RecordError, ValueError, OSError) as e:  # OSError names its file
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -113,9 +113,13 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
                            LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            PYTHONUNBUFFERED="1", EMBBENCH_LAUNCHER_PID=str(os.getpid()))
-                with open(log, "w") as out:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
-                                                  stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+                try:
+                    with open(log, "w") as out:
+                        procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
+                                                      stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                      start_new_session=True))
+                except OSError as e:  # out of processes or memory: this cell fails, the run goes on
+                    return CellOutcome("error", f"cannot start rank {rank}: {e}", None)
             while any(p.poll() is None for p in procs):
                 progress = _poll_progress(tmp_dir / "progress.json", progress, on_progress)
                 now = time.monotonic()

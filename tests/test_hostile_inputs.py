@@ -224,6 +224,15 @@ def test_show_skips_a_damaged_record_naming_it_and_shows_the_rest(tmp_path, caps
     assert _one_clean_line(err) == f"warning: {tmp_path / 'broken.json'}: a JSON list, not a result record (an object); skipped"
 
 
+def test_project_from_a_record_without_its_scenario_is_named(tmp_path, capsys, tiny):
+    scenario, cells = tiny
+    record = _record(scenario, cells[0])
+    record.scenario.pop("config")
+    write_record(tmp_path, cells[0].slug, record)
+    code, _, err = _cli(capsys, "project", tmp_path)
+    assert code == 2 and _one_clean_line(err) == f"error: {tmp_path}: the record of {cells[0].id} holds no scenario config to project from"
+
+
 def test_show_of_nothing_is_named(tmp_path, capsys):
     code, _, err = _cli(capsys, "show", tmp_path / "nowhere")
     assert code == 2 and "nowhere: no result records here" in _one_clean_line(err)
@@ -397,7 +406,7 @@ def _wait(condition, timeout: float = 30.0) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
 def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tmp_path, plugin_path, sig):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -412,7 +421,7 @@ def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tm
         _, err = harness.communicate(timeout=30)
         assert _wait(lambda: not _worker_pids(str(scratch)), 15), "the worker outlived the harness"
         assert _wait(lambda: not any(scratch.iterdir()), 15), list(scratch.iterdir())
-        if sig == signal.SIGTERM:
+        if sig != signal.SIGKILL:
             assert harness.returncode == 130 and "Traceback" not in err
             assert "interrupted: the finished cells' records are kept" in err
     finally:
