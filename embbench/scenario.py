@@ -23,7 +23,7 @@ from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.strategy import Strategy, get_strategy
 
-__all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario"]
+__all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
 
 
 class ScenarioError(ValueError):
