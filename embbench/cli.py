@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
+import signal
 import sys
+import tempfile
 import typing
 from pathlib import Path
 
@@ -14,21 +15,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from embbench.launch import launched_by_torchrun, run_cells, run_cells_in_job
+from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
+                             run_cells_in_job)
 from embbench.report import print_comparison
-from embbench.results import load_records
+from embbench.results import RecordError, load_records
 from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
-from embbench.strategy import RuntimeEnv, Unsupported, load_strategies
+from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 
 # Logs and CI are not terminals: give tables room rather than wrapping every cell.
 console = Console(width=None if sys.stdout.isatty() else 240)
-
-
-def _device_capacity(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _dry_run(scenario, cells) -> None:
@@ -36,7 +32,6 @@ def _dry_run(scenario, cells) -> None:
         device = resolve_device(scenario.run.device)
     except Unsupported:
         device = torch.device("cuda")
-    capacity = _device_capacity(device) if device.type == "cpu" or torch.cuda.is_available() else None
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
     grid = Table(title=f"{scenario.name}: {len(cells)} cells (nothing is run)", header_style="bold",
@@ -44,14 +39,33 @@ def _dry_run(scenario, cells) -> None:
                          f"{table_bytes / 2**30:,.2f} GiB of weights; per-rank estimates on {device}")
     for col in ["cell", "device GiB / rank", "host GiB / rank", "fits"]:
         grid.add_column(col, justify="left" if col == "cell" else "right")
+    limit, what = max_ranks(device)
     for cell in cells:
-        est = cell.make_strategy().estimate_memory(tables, scenario.optimizer.embedding, cell.world_size)
-        if est is None:
-            grid.add_row(escape(cell.id), "?", "?", "?")
+        try:
+            estimate, too_big = memory_preflight(scenario, cell, device)
+        except RuntimeError as e:  # a broken plugin: this row says so, the others are shown
+            grid.add_row(escape(cell.id), "?", "?", f"[red]broken[/red]: {escape(str(e))}")
             continue
-        fits = "?" if capacity is None else ("yes" if est.device_bytes <= capacity else "[red]no[/red]")
-        grid.add_row(escape(cell.id), f"{est.device_bytes / 2**30:,.3f}", f"{(est.host_bytes + est.pinned_bytes) / 2**30:,.3f}", fits)
+        if cell.world_size > limit:
+            too_big = f"needs {cell.world_size} ranks; at most {limit} {what}"
+        if too_big:
+            too_big = too_big.removeprefix("not attempted: ").removesuffix(" (--force runs it anyway)")
+        fits = "?" if estimate is None and not too_big else f"[red]no[/red]: {escape(too_big)}" if too_big else "yes"
+        gib = (lambda key: f"{estimate[key] / 2**30:,.3f}") if estimate else (lambda key: "?")
+        grid.add_row(escape(cell.id), gib("device"), gib("host"), fits)
     console.print(grid)
+
+
+def _run_directory(path: Path) -> Path:
+    """``--out``: a directory this process can write into (made if missing)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write there: {e.strerror or e}") from None
+    return path
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -61,7 +75,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         _dry_run(scenario, cells)
         return 0
     out = Path(args.out) if args.out else Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
+    _run_directory(out)
     console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
+    try:
+        records = _run_with_progress(args, scenario, cells, out)
+    except KeyboardInterrupt:
+        print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
+        return 130
+    except RecordsNotWritten as e:
+        print_comparison(e.records, console, title=scenario.name)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not records:
+        return 0  # a torchrun rank other than 0: rank 0 prints
+    print_comparison(records, console, title=scenario.name)
+    console.print(f"records: {out}")
+    return 0
+
+
+def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path) -> list:
+    """Run the cells under a progress bar, a line per finished cell."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task("starting", total=len(cells))
@@ -75,13 +108,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             first_line = (record.message or "").splitlines()[0] if record.message else ""
             console.print(f"  [{style}]{record.status:>11}[/{style}]  {escape(cell.id)}  [dim]{escape(first_line)}[/dim]")
 
-        run = run_cells_in_job if launched_by_torchrun() else run_cells
-        records = run(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=on_start, on_done=on_done)
-    if not records:
-        return 0  # a torchrun rank other than 0: rank 0 prints
-    print_comparison(records, console, title=scenario.name)
-    console.print(f"records: {out}")
-    return 0
+        def on_notice(message):
+            console.print(f"  [yellow]note[/yellow]: {escape(message)}")
+
+        if launched_by_torchrun():
+            return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
+                                    on_start=on_start, on_done=on_done)
+        return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=on_start,
+                         on_done=on_done, on_notice=on_notice, force=args.force)
 
 
 def _type_name(annotation) -> str:
@@ -101,14 +135,26 @@ def cmd_strategies(args: argparse.Namespace) -> int:
             + (f"  [dim]{f.description}[/dim]" if f.description else "")
             for key, f in cls.Params.model_fields.items()
         ) or "-"
-        reason = cls().unsupported_reason(RuntimeEnv(device))
-        table.add_row(name, escape(cls.summary), escape(params), "[green]yes[/green]" if reason is None else f"[yellow]no[/yellow]: {reason}")
+        try:
+            reason = cls().unsupported_reason(RuntimeEnv(device))
+            runs = "[green]yes[/green]" if reason is None else f"[yellow]no[/yellow]: {escape(reason)}"
+        except Exception as e:  # a broken plugin is listed as such; the others still are
+            runs = f"[red]broken[/red]: unsupported_reason raised {type(e).__name__}: {escape(str(e))}"
+        table.add_row(name, escape(cls.summary), escape(params), runs)
+    for name, reason in broken_strategies().items():
+        table.add_row(name, "", "", f"[red]broken[/red]: {escape(reason)}")
     console.print(table)
     return 0
 
 
+def _skip_damaged(error: RecordError) -> None:
+    print(f"warning: {error}; skipped", file=sys.stderr)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    records = load_records(Path(args.results))
+    records = load_records(Path(args.results), on_damaged=_skip_damaged)
+    if not records:
+        raise RecordError(f"{args.results}: no usable records")
     print_comparison(records, console, title=str(args.results))
     return 0
 
@@ -117,14 +163,8 @@ def cmd_project(args: argparse.Namespace) -> int:
     from embbench.projection import DEFAULT_LINKS_GBPS, project
     from embbench.scenario import parse_scenario
 
-    worlds = [int(w) for w in args.worlds.split(",")]
-    links = dict(DEFAULT_LINKS_GBPS)
-    if args.links:
-        try:
-            links = {k: float(v) for k, v in (item.split("=") for item in args.links.split(","))}
-        except ValueError:
-            raise ValueError(f"--links {args.links!r}: expected name=GB/s,... e.g. nvlink=450,net100=12.5") from None
-    records = [r for r in load_records(Path(args.results)) if r.status == "ok"]
+    links = args.links or dict(DEFAULT_LINKS_GBPS)
+    records = [r for r in load_records(Path(args.results), on_damaged=_skip_damaged) if r.status == "ok"]
     if not records:
         raise ValueError(f"{args.results}: no finished (ok) cells to project from")
     table = Table(title="PROJECTION — a model (embbench/projection.py), not a measurement", header_style="bold",
@@ -133,13 +173,50 @@ def cmd_project(args: argparse.Namespace) -> int:
     for col in ["measured cell", "W0", "T0 ms", "world", "link", "GB/s", "step ms", "samples/s"]:
         table.add_column(col, justify="left" if col in ("measured cell", "link") else "right")
     for record in records:
+        if "config" not in record.scenario:
+            raise RecordError(f"{args.results}: the record of {record.cell_id} holds no scenario config to project from")
         scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
         t0 = record.metrics["step_time_s"]["median"] * 1e3
-        for row in project(record, scenario.tables(), worlds, links, args.latency_us * 1e-6):
+        for row in project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6):
             table.add_row(escape(record.cell_id), str(record.world_size), f"{t0:,.2f}", str(row["world_size"]),
                           row["link"], f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
     console.print(table)
     return 0
+
+
+def _positive(kind: type):
+    """An argparse type: a number of ``kind`` above zero (argparse names the flag)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _world_sizes(text: str) -> list[int]:
+    """``--worlds 1,2,4``: world sizes of at least 1."""
+    return [_positive(int)(item) for item in text.split(",")]
+
+
+def _links(text: str) -> dict[str, float]:
+    """``--links nvlink=450,net100=12.5``: names with bandwidths above 0 GB/s."""
+    links = {}
+    for item in text.split(","):
+        name, sep, gbps = item.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name=GB/s,... e.g. nvlink=450,net100=12.5")
+        try:
+            links[name] = _positive(float)(gbps)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{name}: {e}") from None
+    return links
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,12 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run every cell of a scenario and print the comparison")
     run.add_argument("scenario", help="scenario YAML file")
-    run.add_argument("--steps", type=int, help="measured steps per repeat (overrides run.steps)")
-    run.add_argument("--scale", type=float, help="multiply table cardinalities (overrides data.scale)")
+    run.add_argument("--steps", type=_positive(int), help="measured steps per repeat (overrides run.steps)")
+    run.add_argument("--scale", type=_positive(float), help="multiply table cardinalities (overrides data.scale)")
     run.add_argument("--strategies", help="comma-separated subset of the scenario's strategies")
     run.add_argument("--out", help="run directory (default: results/runs/<scenario>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
+    run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")
     run.set_defaults(func=cmd_run)
     strategies = sub.add_parser("strategies", help="list installed strategies, their parameters, and whether they run here")
     strategies.set_defaults(func=cmd_strategies)
@@ -161,20 +239,30 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_show)
     proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
     proj.add_argument("results", help="a run directory or one record file")
-    proj.add_argument("--worlds", default="1,2,4,8", help="world sizes to project (default 1,2,4,8)")
-    proj.add_argument("--links", help="name=GB/s,... per-rank link bandwidths (default nvlink, pcie5, net400, net100)")
+    proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")
+    proj.add_argument("--links", type=_links, help="name=GB/s,... per-rank link bandwidths (default nvlink, pcie5, net400, net100)")
     proj.add_argument("--latency-us", type=float, default=0.0, help="latency per collective (4 per step), microseconds")
     proj.set_defaults(func=cmd_project)
     return parser
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: the cell's processes are killed, records kept
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
-    except (ScenarioError, FileNotFoundError, ValueError) as e:
+    except (ScenarioError, RecordError, ValueError, OSError) as e:  # OSError names its file
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from typing import Any, Callable
 
 import torch
 
-from embbench.results import Record, Status, load_records, provenance, write_record
+from embbench.results import Record, RecordError, Status, provenance, read_record, write_record
 from embbench.runner import resolve_device
 from embbench.scenario import Cell, Scenario
 from embbench.strategy import RuntimeEnv, Unsupported
 
-__all__ = ["CellOutcome", "run_cells", "run_isolated"]
+__all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "reusable_records", "run_cells",
+           "run_isolated"]
 
 #: How long the other ranks may live on after one rank failed (they may be stuck in a collective).
 _PEER_GRACE_S = 10.0
@@ -102,20 +103,23 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
         spec_path = tmp_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         port = _free_port()
-        procs, logs = [], []
-        for rank in range(cell.world_size):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
-                       LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       PYTHONUNBUFFERED="1")
-            log = log_dir / f"{cell.slug}.rank{rank}.log"
-            logs.append(log)
-            with open(log, "w") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
-                                              stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        procs: list[subprocess.Popen] = []
+        logs = [log_dir / f"{cell.slug}.rank{rank}.log" for rank in range(cell.world_size)]
         deadline = time.monotonic() + limit
         first_failure: float | None = None
         progress = None
         try:
+            for rank, log in enumerate(logs):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
+                           LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           PYTHONUNBUFFERED="1", EMBBENCH_LAUNCHER_PID=str(os.getpid()))
+                try:
+                    with open(log, "w") as out:
+                        procs.append(subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)],
+                                                      stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                      start_new_session=True))
+                except OSError as e:  # out of processes or memory: this cell fails, the run goes on
+                    return CellOutcome("error", f"cannot start rank {rank}: {e}", None)
             while any(p.poll() is None for p in procs):
                 progress = _poll_progress(tmp_dir / "progress.json", progress, on_progress)
                 now = time.monotonic()
@@ -127,6 +131,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 if first_failure is not None and now - first_failure > _PEER_GRACE_S:
                     break
                 time.sleep(0.05)
+            # How the ranks ended by themselves (those still running are killed below).
+            ended = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)]
         finally:
             _kill(procs)  # reaps everything, also on KeyboardInterrupt
         _poll_progress(tmp_dir / "progress.json", progress, on_progress)  # the last phase reached
@@ -137,21 +143,72 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             prefix = f"rank {rank}: " if cell.world_size > 1 else ""
             others = f" (then {len(errors) - 1} more rank(s) failed)" if len(errors) > 1 else ""
             return CellOutcome(error["status"], f"{prefix}{error['type']}: {error['message']}{others}", None)
-        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            rank, code = failed[0]
+        if ended:
+            rank, code = ended[0]
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            hint = " (the kernel's OOM killer sends signal 9)" if code == -signal.SIGKILL else ""
-            return CellOutcome("error", f"rank {rank} {how}{hint}; log tail:\n{_tail(logs[rank])}", None)
+            if code == -signal.SIGKILL:  # not sent by us (that is a timeout): the OOM killer's signal
+                return CellOutcome("oom", f"rank {rank} {how}, most likely by the kernel's OOM killer; log tail:\n"
+                                          f"{_tail(logs[rank])}", None)
+            return CellOutcome("error", f"rank {rank} {how}; log tail:\n{_tail(logs[rank])}", None)
         result = tmp_dir / "result.json"
         if not result.exists():
             return CellOutcome("error", "the run ended without a result", None)
         return CellOutcome("ok", None, json.loads(result.read_text()))
 
 
+def _load_weights(path: Path) -> list[torch.Tensor]:
+    """A flushed-weights file; :class:`RecordError` naming it when it is missing or damaged."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # truncated zip, pickle garbage, missing file: all mean "damaged"
+        raise RecordError(f"{path}: flushed weights missing or damaged ({type(e).__name__}: {e})") from None
+
+
 def _max_weight_diff(a: Path, b: Path) -> float:
-    left, right = torch.load(a), torch.load(b)
+    left, right = _load_weights(a), _load_weights(b)
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
+
+
+def reusable_records(out_dir: Path, scenario: Scenario, weights_dir: Path | None,
+                     on_notice: Callable[[str], None]) -> dict[str, Record]:
+    """The ``ok`` records of an earlier run of this very scenario in ``out_dir``, by cell id.
+
+    Not reused (the cell runs again), each told to ``on_notice``: a damaged record or
+    weights file, a record of another effective scenario (other --steps, --scale or edits),
+    and every record not ``ok`` (an ``unsupported`` may be supported now, e.g. under torchrun).
+    """
+    if not out_dir.is_dir():
+        return {}
+    digest = scenario.digest()
+    done: dict[str, Record] = {}
+    stale = []
+    for path in sorted(out_dir.glob("*.json")):
+        try:
+            record = read_record(path)
+            if record.scenario.get("digest") != digest:
+                stale.append(path.name)
+                continue
+            if record.status != "ok":
+                continue
+            if weights_dir is not None and record.metrics.get("weights_file"):
+                _load_weights(weights_dir / record.metrics["weights_file"])
+        except RecordError as e:
+            on_notice(f"{e}; that cell runs again")
+            continue
+        done[record.cell_id] = record
+    if stale:
+        on_notice(f"{out_dir}: {len(stale)} record(s) were made with another scenario (other --steps, --scale or "
+                  f"edits; digest differs from {digest[:10]}): {', '.join(stale)}; those cells run again")
+    return done
+
+
+class RecordsNotWritten(RuntimeError):
+    """Some records could not be written (disk full, directory gone); ``records`` holds every
+    cell's record, the files written before are kept."""
+
+    def __init__(self, message: str, records: list[Record]):
+        super().__init__(message)
+        self.records = records
 
 
 def _trained_steps(record: Record) -> int:
@@ -176,25 +233,34 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
               execute: Callable[[Cell, Path | None], CellOutcome] | None = None,
               write: bool = True,
               on_progress: Callable[[Cell, str, int, int], None] | None = None,
-              profile_dir: Path | None = None) -> list[Record]:
+              profile_dir: Path | None = None,
+              on_notice: Callable[[str], None] | None = None,
+              force: bool = False,
+              done: dict[str, Record] | None = None) -> list[Record]:
     """Run every cell (the baseline's first), writing each record as soon as it ends.
 
     ``execute`` runs one cell (default: its own processes on this host, see
     :func:`run_isolated`); ``write`` is False on the ranks of a torchrun job other than 0.
     ``on_progress(cell, phase, step, total)`` follows a running cell; ``profile_dir`` gets a
-    torch.profiler Chrome trace per cell (``<cell>.trace.json``).
+    torch.profiler Chrome trace per cell (``<cell>.trace.json``). ``on_notice`` hears about
+    records that ``resume`` cannot reuse (default: stderr); ``force`` runs cells that the
+    memory preflight refuses; ``done`` gives the records to reuse instead of ``resume``.
+
+    Raises:
+        RecordsNotWritten: after every cell ran, when some records could not be written.
     """
+    notice = on_notice or (lambda message: print(f"note: {message}", file=sys.stderr))
     if execute is None:
         def execute(cell: Cell, weights: Path | None) -> CellOutcome:
             follow = (lambda phase, step, total: on_progress(cell, phase, step, total)) if on_progress else None
             profile = profile_dir / f"{cell.slug}.trace.json" if profile_dir is not None else None
-            return _outcome_without_launch(scenario, cell) or run_isolated(
+            return _outcome_without_launch(scenario, cell, force) or run_isolated(
                 scenario, scenario_file, cell, out_dir / "logs", weights, on_progress=follow, profile_path=profile)
-    done: dict[str, Record] = {}
-    if resume and out_dir.exists() and any(out_dir.glob("*.json")):
-        done = {r.cell_id: r for r in load_records(out_dir) if r.status in ("ok", "unsupported")}
     compare = scenario.weights_compared()
     weights_dir = out_dir / "weights"
+    if done is None:
+        done = reusable_records(out_dir, scenario, weights_dir if compare else None, notice) if resume else {}
+    write_errors: list[str] = []
     scenario_info = {"name": scenario.name, "file": scenario_file, "digest": scenario.digest(),
                      "config": scenario.model_dump(mode="json")}
     baseline_record: Record | None = None
@@ -217,14 +283,25 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             mine = weights_dir / record.metrics["weights_file"]
             theirs = weights_dir / baseline_record.metrics["weights_file"] if baseline_record else None
             if why_not is None and mine.exists() and theirs.exists():
-                record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, theirs)
+                try:
+                    record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, theirs)
+                except RecordError as e:
+                    record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
         if write:
-            write_record(out_dir, cell.slug, record)
+            try:
+                write_record(out_dir, cell.slug, record)
+            except OSError as e:  # disk full, directory removed: told once, the other cells still run
+                if not write_errors:
+                    notice(f"cannot write {out_dir / cell.slug}.json: {e.strerror or e}")
+                write_errors.append(cell.id)
         records.append(record)
         if on_done:
             on_done(cell, record)
+    if write_errors:
+        raise RecordsNotWritten(f"{len(write_errors)} of {len(cells)} record(s) could not be written to {out_dir} "
+                                f"({', '.join(write_errors)}); the records written before are kept", records)
     return records
 
 
@@ -256,47 +333,121 @@ def run_cells_in_job(scenario: Scenario, scenario_file: str, cells: list[Cell], 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=scenario.run.time_limit_s))
     env = RuntimeEnv(device, world, rank)
+    lost: list[str] = []  # the cell in which the job lost a rank: no collective works after it
 
     def execute(cell: Cell, weights: Path | None) -> CellOutcome:
         if cell.world_size != world:
             return CellOutcome("unsupported", f"this torchrun job has {world} ranks; the cell needs {cell.world_size}", None)
-        reason = cell.make_strategy().unsupported_reason(env)
-        if reason:
-            return CellOutcome("unsupported", reason, None)
+        refused = _plugin_refusal(cell, env)
+        if refused:
+            return refused
+        if lost:
+            return CellOutcome("error", f"not run: the job lost a rank in {lost[0]}; run again with --resume", None)
         metrics, mine = None, {"status": "ok"}
         try:
             metrics = run_cell(scenario, cell, env, weights, dist.group.WORLD)
         except Exception as exc:
             mine = {"status": _classify(exc), "message": f"rank {rank}: {type(exc).__name__}: {exc}", "time": time.time()}
+        except KeyboardInterrupt:  # torchrun stops every rank when one dies (and on Ctrl-C)
+            lost.append(cell.id)
+            return CellOutcome("error", f"rank {rank}: stopped by torchrun (a rank died, or Ctrl-C)", None)
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
+        try:
+            dist.all_gather_object(everyone, mine)
+        except Exception as exc:  # a peer was killed, or hung past the process group's timeout
+            lost.append(cell.id)
+            why = mine.get("message") or f"rank {rank}: {type(exc).__name__}: {exc}"
+            return CellOutcome(mine["status"] if mine["status"] != "ok" else "error",
+                               f"{why} (a peer rank was killed or hung: the ranks could not agree)", None)
         failures = [o for o in everyone if o["status"] != "ok"]
         if failures:
             first = min(failures, key=lambda o: o["time"])
             return CellOutcome(first["status"], first["message"], None)
         return CellOutcome("ok", None, metrics)
 
-    # Only rank 0 sees its run directory: it decides what --resume skips, for every rank.
-    skip = [None]
-    if rank == 0 and resume and out_dir.exists() and any(out_dir.glob("*.json")):
-        skip = [{r.cell_id for r in load_records(out_dir) if r.status in ("ok", "unsupported")}]
-    dist.broadcast_object_list(skip, src=0)
-    todo = [c for c in cells if c.id not in (skip[0] or set())]
+    # Only rank 0 sees its run directory: it decides what --resume reuses, for every rank.
+    # (Reused records stay in the run, so later cells are still compared with the baseline.)
+    done: list[Any] = [{}]
+    if rank == 0 and resume:
+        weights_dir = out_dir / "weights" if scenario.weights_compared() else None
+        done = [reusable_records(out_dir, scenario, weights_dir, lambda m: print(f"note: {m}", file=sys.stderr))]
+    dist.broadcast_object_list(done, src=0)
     try:
-        run_cells(scenario, scenario_file, todo, out_dir, execute=execute, write=rank == 0,
-                  on_start=on_start if rank == 0 else None, on_done=on_done if rank == 0 else None)
+        records = run_cells(scenario, scenario_file, cells, out_dir, execute=execute, write=rank == 0,
+                            on_start=on_start if rank == 0 else None, on_done=on_done if rank == 0 else None,
+                            done=done[0])
     finally:
         dist.destroy_process_group()
-    return load_records(out_dir) if rank == 0 else []
+    return records if rank == 0 else []
 
 
-def _outcome_without_launch(scenario, cell) -> CellOutcome | None:
-    """The cells that need no processes: those this machine cannot run."""
+def max_ranks(device: torch.device) -> tuple[int, str]:
+    """The most ranks one cell may start on this machine, and what sets that limit."""
+    if device.type == "cuda":
+        return torch.cuda.device_count(), "GPUs on this machine (one rank per GPU)"
+    cores = os.cpu_count() or 1
+    # Oversubscribed gloo ranks still run (tests use 4 on 2 cores); a thousand forks do not.
+    return 4 * cores, f"CPU ranks on this machine (4 per core, {cores} cores)"
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tuple[dict[str, int] | None, str | None]:
+    """The strategy's static-memory estimate for this cell (bytes per rank: ``device``, ``host``)
+    and why it cannot fit on this machine, or None for the reason when it fits or is unknown.
+
+    The host holds every rank's host and pinned bytes (and, on a CPU device, its device
+    bytes too); a GPU holds one rank's device bytes. A strategy's ``estimate_memory`` that
+    raises is a broken plugin: it raises ``RuntimeError`` naming the strategy.
+    """
+    try:
+        est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size)
+    except Exception as e:
+        raise RuntimeError(f"strategy {cell.strategy!r}: estimate_memory raised {type(e).__name__}: {e}") from e
+    if est is None:
+        return None, None
+    on_host = est.host_bytes + est.pinned_bytes + (est.device_bytes if device.type == "cpu" else 0)
+    per_rank = {"device": est.device_bytes, "host": on_host}
+    host_limit = _host_memory_bytes()
+    if on_host * cell.world_size > host_limit:
+        return per_rank, (f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host memory "
+                          f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB), this machine has "
+                          f"{host_limit / 2**30:,.1f} GiB (--force runs it anyway)")
+    if device.type == "cuda" and torch.cuda.is_available():
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        if est.device_bytes > capacity:
+            return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
+                              f"rank, the GPU has {capacity / 2**30:,.1f} GiB (--force runs it anyway)")
+    return per_rank, None
+
+
+def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
+    """The strategy's own ``unsupported_reason``; a plugin that raises there fails its cell only."""
+    try:
+        reason = cell.make_strategy().unsupported_reason(env)
+    except Exception as e:
+        return CellOutcome("error", f"strategy {cell.strategy!r}: unsupported_reason raised {type(e).__name__}: {e}", None)
+    return CellOutcome("unsupported", reason, None) if reason else None
+
+
+def _outcome_without_launch(scenario: Scenario, cell: Cell, force: bool = False) -> CellOutcome | None:
+    """The cells that need no processes: those this machine cannot run, or cannot hold."""
     try:
         device = resolve_device(scenario.run.device)
     except Unsupported as e:
         return CellOutcome("unsupported", str(e), None)
-    if device.type == "cuda" and cell.world_size > torch.cuda.device_count():
-        return CellOutcome("unsupported", f"needs {cell.world_size} GPUs, this machine has {torch.cuda.device_count()}", None)
-    reason = cell.make_strategy().unsupported_reason(RuntimeEnv(device, cell.world_size))
-    return CellOutcome("unsupported", reason, None) if reason else None
+    limit, what = max_ranks(device)
+    if cell.world_size > limit:
+        return CellOutcome("unsupported", f"needs {cell.world_size} ranks; at most {limit} {what}", None)
+    refused = _plugin_refusal(cell, RuntimeEnv(device, cell.world_size))
+    if refused:
+        return refused
+    try:
+        _, too_big = memory_preflight(scenario, cell, device)
+    except RuntimeError as e:
+        return CellOutcome("error", str(e), None)
+    if too_big and not force:
+        return CellOutcome("oom", too_big, None)
+    return None

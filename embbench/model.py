@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from torch import Tensor, nn
 
 __all__ = ["ModelConfig", "DLRM"]
@@ -21,8 +21,15 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["dlrm"] = "dlrm"
-    bottom_mlp: list[int] = Field(default_factory=lambda: [64, 16], min_length=1)
-    top_mlp: list[int] = Field(default_factory=lambda: [64, 1], min_length=1)
+    bottom_mlp: list[PositiveInt] = Field(default_factory=lambda: [64, 16], min_length=1)
+    top_mlp: list[PositiveInt] = Field(default_factory=lambda: [64, 1], min_length=1)
+
+    @field_validator("top_mlp")
+    @classmethod
+    def _one_logit(cls, widths: list[int]) -> list[int]:
+        if widths[-1] != 1:
+            raise ValueError(f"must end in 1 (one logit per sample), got {widths}")
+        return widths
 
 
 def _mlp(widths: list[int], final_activation: bool) -> nn.Sequential:

@@ -17,14 +17,14 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from embbench import buildinfo
 
-__all__ = ["SCHEMA_VERSION", "Record", "Status", "code_version", "environment", "provenance", "relevant_packages",
-           "write_record", "load_records"]
+__all__ = ["SCHEMA_VERSION", "Record", "RecordError", "Status", "code_version", "environment", "provenance",
+           "read_record", "relevant_packages", "write_record", "load_records"]
 
 SCHEMA_VERSION = 1
 Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
@@ -180,28 +180,111 @@ def provenance() -> dict[str, Any]:
 
 
 def write_record(directory: Path, slug: str, record: Record) -> Path:
-    """Write ``<slug>.json`` atomically (a reader never sees half a file)."""
+    """Write ``<slug>.json`` atomically (a reader never sees half a file).
+
+    Raises:
+        OSError: the directory cannot be written (disk full, read-only, ...); no partial
+            file is left behind and an earlier record of the cell is kept.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{slug}.json"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{slug}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(record.model_dump_json(indent=2))
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(record.model_dump_json(indent=2))
+            f.flush()
+            os.fsync(f.fileno())  # a full disk shows here, not after the rename
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
-def load_records(path: Path) -> list[Record]:
-    """Every record of a run directory (or one record file)."""
-    files = [path] if path.is_file() else sorted(path.glob("*.json"))
+class RecordError(ValueError):
+    """A record file that cannot be used (damaged, foreign, incomplete); the message names it."""
+
+
+#: What the tables and projections read of an ``ok`` record (key: its keys); without them it is damaged.
+_OK_METRICS: dict[str, tuple[str, ...]] = {
+    "step_time_s": ("median", "p95"), "throughput": ("mean", "ci95"),
+    "memory": ("static_device_bytes", "static_host_bytes", "pinned_bytes"), "counters": ("total",),
+    "measured_steps": (), "samples_per_step": (),
+}
+
+
+def _missing_metrics(metrics: Any) -> list[str]:
+    if not isinstance(metrics, dict):
+        return ["all"]
+    missing = []
+    for key, inner in _OK_METRICS.items():
+        if key not in metrics:
+            missing.append(key)
+        elif inner and not isinstance(metrics[key], dict):
+            missing.append(f"{key} (not a mapping)")
+        else:
+            missing += [f"{key}.{k}" for k in inner if k not in metrics[key]]
+    return missing
+
+
+def read_record(path: Path) -> Record:
+    """One record file, checked.
+
+    Raises:
+        RecordError: naming the file and what is wrong (unreadable, not JSON, not a record,
+            another schema version, an ``ok`` record without its measurements).
+    """
+    if not path.is_file():  # a FIFO would block, a device never end
+        raise RecordError(f"{path}: not a regular file")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise RecordError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: not UTF-8 text; not a result record") from None
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"{path}: a JSON {type(data).__name__}, not a result record (an object)")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise RecordError(f"{path}: schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    try:
+        record = Record.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "record"
+        raise RecordError(f"{path}: {key}: {first['msg']}") from None
+    missing = _missing_metrics(record.metrics) if record.status == "ok" else []
+    if missing:
+        raise RecordError(f"{path}: status ok without its measurements (metrics: missing {', '.join(missing)})")
+    return record
+
+
+def load_records(path: Path, on_damaged: Callable[[RecordError], None] | None = None) -> list[Record]:
+    """Every record of a run directory (or one record file).
+
+    Args:
+        on_damaged: called with the error of each file that cannot be used, which is then
+            skipped; None raises it.
+
+    Raises:
+        FileNotFoundError: nothing there, or no records in the directory.
+        RecordError: a damaged record (without ``on_damaged``).
+    """
+    if path.is_dir():
+        files = sorted(path.glob("*.json"))
+    elif path.exists():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"{path}: no result records here (no such run directory or record file)")
     if not files:
         raise FileNotFoundError(f"{path}: no result records (*.json) here")
     records = []
     for f in files:
         try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f}: not valid JSON (line {e.lineno}): {e.msg}") from None
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"{f}: schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-        records.append(Record.model_validate(data))
+            records.append(read_record(f))
+        except RecordError as e:
+            if on_damaged is None:
+                raise
+            on_damaged(e)
     return records

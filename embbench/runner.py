@@ -382,15 +382,37 @@ def _classify(exc: BaseException) -> str:
         return "unsupported"
     if isinstance(exc, Diverged):
         return "diverged"
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower():
         return "oom"
     return "error"
+
+
+def _die_with_the_launcher(scratch: Path) -> None:
+    """Exit (removing the cell's scratch directory) as soon as the launcher is gone.
+
+    The ranks run in their own session, so a killed harness (SIGKILL included) would leave
+    them running, and a hung one would live forever. A thread watches the parent pid: when
+    the launcher dies the rank is re-parented, and ``os._exit`` ends it from any thread.
+    """
+    import shutil
+    import threading
+
+    launcher = int(os.environ.get("EMBBENCH_LAUNCHER_PID", os.getppid()))
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.2)
+        shutil.rmtree(scratch, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="embbench-launcher-watch", daemon=True).start()
 
 
 def main(spec_path: str) -> int:
     """Entry point of one rank (see :mod:`embbench.launch`)."""
     from embbench.scenario import parse_scenario
 
+    _die_with_the_launcher(Path(spec_path).parent)
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -9,20 +9,21 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import stat
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from embbench.data.presets import PRESETS, TableSpec, make_tables
 from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
-from embbench.strategy import Strategy, get_strategy, load_strategies
+from embbench.strategy import Strategy, get_strategy
 
-__all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario"]
+__all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
 
 
 class ScenarioError(ValueError):
@@ -47,7 +48,7 @@ class OptimizerConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    world_size: int | list[int] = 1
+    world_size: int | list[int] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     warmup_steps: int = Field(5, ge=0, description="warm-up steps (the least, when warmup_max_steps is set)")
     warmup_max_steps: int | None = Field(
@@ -61,6 +62,14 @@ class RunConfig(_Strict):
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
     )
+
+    @field_validator("world_size")
+    @classmethod
+    def _at_least_one_rank(cls, value: int | list[int]) -> int | list[int]:
+        sizes = value if isinstance(value, list) else [value]
+        if not sizes or any(w < 1 for w in sizes):
+            raise ValueError(f"must be at least 1 (or a non-empty list of such), got {value}")
+        return value
 
     @property
     def warmup_bound(self) -> int:
@@ -145,8 +154,8 @@ def _format(errors: list[dict], file: str, prefix: str = "") -> str:
     for e in errors:
         key = _loc(tuple(p for p in e["loc"] if p not in ("int", "list[int]", "bool", "literal['auto']")))
         key = f"{prefix}.{key}" if prefix and key else (prefix or key)
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        lines.append(f"{file}: {key}: {msg}")
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        lines.append(f"{file}: {key}: {msg}" if key else f"{file}: {msg}")
     return "\n".join(lines)
 
 
@@ -154,10 +163,8 @@ def _expand(entry: StrategyEntry, index: int, file: str) -> list[dict[str, Any]]
     where = f"strategies[{index}]"
     try:
         cls = get_strategy(entry.name)
-    except KeyError:
-        raise ScenarioError(
-            f"{file}: {where}.name: unknown strategy {entry.name!r}; installed: {', '.join(load_strategies())}"
-        ) from None
+    except KeyError as e:  # unknown or broken: the message says which
+        raise ScenarioError(f"{file}: {where}.name: {e.args[0]}") from None
     fields = cls.Params.model_fields
     axes: list[list[tuple[str, Any]]] = []
     for key, value in entry.params.items():
@@ -188,6 +195,10 @@ def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[C
         scenario = Scenario.model_validate(raw)
     except ValidationError as e:
         raise ScenarioError(_format(e.errors(), file)) from None
+    if scenario.model.bottom_mlp[-1] != scenario.data.embedding_dim:
+        # The interaction takes dot products of the bottom MLP's output with every pooled embedding.
+        raise ScenarioError(f"{file}: model.bottom_mlp: must end in data.embedding_dim "
+                            f"{scenario.data.embedding_dim}, got {scenario.model.bottom_mlp}")
     names = [s.name for s in scenario.strategies]
     if scenario.baseline not in names:
         raise ScenarioError(f"{file}: baseline: {scenario.baseline!r} is not among the strategies {names}")
@@ -204,6 +215,59 @@ def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[C
     return scenario, cells
 
 
+#: A scenario is a few kilobytes; anything far larger is not one (and /dev/zero never ends).
+MAX_SCENARIO_BYTES = 1 << 20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (YAML says keys are unique;
+    PyYAML would silently keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first on line {seen[key]})", key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_scenario_text(path: Path) -> str:
+    """The text of a scenario file: a regular, readable UTF-8 file of bounded size.
+
+    Raises:
+        ScenarioError: naming the file and what is wrong with it.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file") from None
+    except OSError as e:  # a symlink loop, a name too long, ...
+        raise ScenarioError(f"{path}: cannot open the scenario: {e.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ScenarioError(f"{path}: is a directory, not a scenario file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ScenarioError(f"{path}: not a regular file (a device, FIFO or socket); a scenario is a YAML file")
+    if info.st_size > MAX_SCENARIO_BYTES:
+        raise ScenarioError(f"{path}: {info.st_size:,} bytes; a scenario is at most {MAX_SCENARIO_BYTES:,}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SCENARIO_BYTES + 1)
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read the scenario: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ScenarioError(f"{path}: line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
 def load_scenario(
     path: str | Path,
     steps: int | None = None,
@@ -212,19 +276,19 @@ def load_scenario(
 ) -> tuple[Scenario, list[Cell]]:
     """Read, override (command-line flags), validate and expand a scenario file."""
     path = Path(path)
+    text = read_scenario_text(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ScenarioError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
     if isinstance(raw, dict):
-        if steps is not None:
-            raw.setdefault("run", {})["steps"] = steps
-        if scale is not None:
-            raw.setdefault("data", {})["scale"] = scale
+        # Overrides go into the sections; a section that is not a mapping fails validation, named.
+        if steps is not None and isinstance(raw.setdefault("run", {}), dict):
+            raw["run"]["steps"] = steps
+        if scale is not None and isinstance(raw.setdefault("data", {}), dict):
+            raw["data"]["scale"] = scale
     scenario, cells = parse_scenario(raw, str(path))
     if strategies:
         unknown = set(strategies) - {c.strategy for c in cells}

@@ -28,7 +28,8 @@ from embbench.optim import EmbeddingOptimizer
 
 __all__ = [
     "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
-    "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "get_strategy", "load_strategies",
+    "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "broken_strategies", "get_strategy",
+    "load_strategies",
 ]
 
 #: Counter names every strategy reports (cumulative since build; absent ones count as 0).
@@ -251,18 +252,47 @@ def _validate(name: str, cls: object, source: str) -> type[Strategy]:
 
 
 @cache
-def load_strategies() -> dict[str, type[Strategy]]:
-    """Every strategy installed through the ``embbench.strategies`` entry points."""
+def _discover() -> tuple[dict[str, type[Strategy]], dict[str, str]]:
+    """Every ``embbench.strategies`` entry point: the usable strategies, and why the others are
+    broken (an import that fails, a class that breaks the contract, a name taken twice)."""
     found: dict[str, type[Strategy]] = {}
+    broken: dict[str, str] = {}
     for ep in entry_points(group="embbench.strategies"):
-        if ep.name in found:
-            raise TypeError(f"strategy {ep.name!r} is registered twice ({ep.value})")
-        found[ep.name] = _validate(ep.name, ep.load(), ep.value)
-    return dict(sorted(found.items()))
+        if ep.name in found or ep.name in broken:
+            found.pop(ep.name, None)
+            broken[ep.name] = f"strategy {ep.name!r} is registered twice ({ep.value})"
+            continue
+        try:
+            found[ep.name] = _validate(ep.name, ep.load(), ep.value)
+        except Exception as e:  # a third party's package must not break every run
+            broken[ep.name] = str(e) if isinstance(e, TypeError) else \
+                f"strategy {ep.name!r} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}"
+    return dict(sorted(found.items())), dict(sorted(broken.items()))
+
+
+def load_strategies() -> dict[str, type[Strategy]]:
+    """Every usable strategy installed through the ``embbench.strategies`` entry points."""
+    return dict(_discover()[0])
+
+
+def broken_strategies() -> dict[str, str]:
+    """The installed entry points that cannot be used, each with the reason."""
+    return dict(_discover()[1])
+
+
+#: Tests install plugins on the fly and start discovery afresh.
+load_strategies.cache_clear = _discover.cache_clear  # type: ignore[attr-defined]
 
 
 def get_strategy(name: str) -> type[Strategy]:
-    strategies = load_strategies()
+    """The strategy class registered as ``name``.
+
+    Raises:
+        KeyError: unknown or broken, with the reason and the usable names.
+    """
+    strategies, broken = _discover()
+    if name in broken:
+        raise KeyError(f"{broken[name]}; usable: {', '.join(strategies)}")
     if name not in strategies:
         raise KeyError(f"unknown strategy {name!r}; installed: {', '.join(strategies)}")
     return strategies[name]

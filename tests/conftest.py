@@ -88,8 +88,11 @@ def plugin_path(tmp_path, monkeypatch):
 
 @pytest.fixture
 def rank_plugin(tmp_path, monkeypatch):
-    """A strategy that raises on rank 1 only, while the other ranks wait in a collective."""
-    _install_plugin(tmp_path / "ranksite", "rank_plugin", {"rank1_raises": "rank_plugin:Rank1Raises"}, """
+    """Strategies that fail on rank 1 only, while the other ranks wait in a collective: one
+    raises, one's process ends abruptly."""
+    _install_plugin(tmp_path / "ranksite", "rank_plugin",
+                    {"rank1_raises": "rank_plugin:Rank1Raises", "rank1_dies": "rank_plugin:Rank1Dies"}, """
+        import os
         from baselines.tables import DeviceStrategy
 
         class Rank1Raises(DeviceStrategy):
@@ -98,6 +101,14 @@ def rank_plugin(tmp_path, monkeypatch):
             def build(self, ctx):
                 if ctx.env.rank == 1:
                     raise RuntimeError("rank 1 gives up")
+                return super().build(ctx)
+
+        class Rank1Dies(DeviceStrategy):
+            name = "rank1_dies"
+            summary = "rank 1's process ends abruptly while building"
+            def build(self, ctx):
+                if ctx.env.rank == 1:
+                    os._exit(9)
                 return super().build(ctx)
         """, monkeypatch)
     yield

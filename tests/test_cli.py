@@ -59,4 +59,4 @@ def test_dry_run_estimates_memory_and_runs_nothing(tmp_path):
 def test_project_rejects_a_malformed_link_naming_the_flag(tmp_path):
     proc = embbench("project", str(tmp_path), "--links", "nvlink")
     assert proc.returncode == 2
-    assert "--links 'nvlink': expected name=GB/s" in proc.stderr
+    assert "argument --links: 'nvlink': expected name=GB/s" in proc.stderr

@@ -38,8 +38,11 @@ def test_resume_skips_finished_cells(tmp_path):
 
 
 def test_a_record_round_trips_through_json(tmp_path):
+    metrics = {"step_time_s": {"median": 0.1, "p95": 0.2}, "throughput": {"mean": 1.0, "ci95": None},
+               "memory": {"static_device_bytes": 0, "static_host_bytes": 0, "pinned_bytes": 0},
+               "counters": {"total": {}}, "measured_steps": 3, "samples_per_step": 8}
     record = Record(cell_id="x@w1", strategy="x", params={"a": 0.5}, world_size=1, status="ok", baseline="x",
-                    scenario={"name": "s"}, metrics={"throughput": {"mean": 1.0}}, provenance={"git": None})
+                    scenario={"name": "s"}, metrics=metrics, provenance={"git": None})
     path = write_record(tmp_path, "x", record)
     assert load_records(path) == [record]
     assert json.loads(path.read_text())["schema_version"] == 1
@@ -54,13 +57,15 @@ def test_unreadable_records_are_clear_errors(tmp_path):
 
 
 def test_a_plugin_that_is_not_a_strategy_is_rejected_naming_it(tmp_path, monkeypatch):
-    from embbench.strategy import load_strategies
+    from embbench.strategy import broken_strategies, get_strategy, load_strategies
     from tests.conftest import _install_plugin
 
     _install_plugin(tmp_path / "bad", "bad_plugin", {"bad": "bad_plugin:NotAStrategy"},
                     "class NotAStrategy:\n    pass\n", monkeypatch)
     try:
-        with pytest.raises(TypeError, match=r"strategy 'bad' \(bad_plugin:NotAStrategy\) is not a subclass"):
-            load_strategies()
+        assert "bad" not in load_strategies() and "device" in load_strategies()
+        assert broken_strategies()["bad"].startswith("strategy 'bad' (bad_plugin:NotAStrategy) is not a subclass")
+        with pytest.raises(KeyError, match=r"strategy 'bad' \(bad_plugin:NotAStrategy\) is not a subclass"):
+            get_strategy("bad")
     finally:
         load_strategies.cache_clear()

@@ -134,3 +134,14 @@ def test_under_torchrun_every_rank_runs_the_cells_of_the_job_size(tmp_path):
     assert records["device@w2"].status == records["freqcache[cache_ratio=0.05]@w2"].status == "ok"
     assert records["freqcache[cache_ratio=0.05]@w2"].metrics["max_weight_diff_vs_baseline"] < 1e-5
     assert proc.stdout.count("freqcache[cache_ratio=0.05]@w2") >= 1
+    # Resumed after losing a cell's record: the baseline is reused, the cell reruns and is
+    # still compared with the baseline's weights.
+    next(out.glob("freqcache*.json")).unlink()
+    resumed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "embbench.cli", "run",
+         str(path), "--out", str(out), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = {r.cell_id: r for r in load_records(out)}
+    assert again["device@w2"].provenance == records["device@w2"].provenance
+    assert again["freqcache[cache_ratio=0.05]@w2"].metrics["max_weight_diff_vs_baseline"] < 1e-5
