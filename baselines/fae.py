@@ -22,7 +22,6 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from baselines.tables import WholeTables
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
@@ -134,6 +133,22 @@ def plan_hot_cold(ctx: ScheduleContext, params: FaeParams) -> tuple[FaePlan, Sch
     return plan, Schedule(order, side=[{HOT_TAG: tag} for tag in tags])
 
 
+class HostRows:
+    """Every table with its optimizer state in host memory, looked up and updated on the CPU
+    by embbench's fused lookup (FAE's cold path: DLRM's CPU embedding bags); pooled rows go
+    to the compute device."""
+
+    def __init__(self, ctx: BuildContext, space: RowSpace):
+        self.space, self.compute = space, ctx.env.device
+        weights = torch.empty(space.num_rows, space.dim)
+        space.fill_initial(weights, ctx.init_weights)
+        self.store = RowStore(weights, ctx.optimizer.new_state(space.num_rows, "cpu"), ctx.optimizer)
+
+    def pooled(self, features: SparseFeatures) -> Tensor:
+        features = features.to("cpu")
+        return pooled_lookup(self.store, self.space.global_rows(features), features.offsets(), self.compute)
+
+
 class HotColdTables(SparseModule):
     """Host tables plus a device copy of the hot rows; batches tagged hot use the copy.
 
@@ -146,8 +161,8 @@ class HotColdTables(SparseModule):
     def __init__(self, ctx: BuildContext, plan: FaePlan):
         super().__init__()
         self.plan = plan
-        self.host = WholeTables(ctx, on_host=True)
-        self.space = self.host.space
+        self.space = RowSpace(ctx.tables)
+        self.host = HostRows(ctx, self.space)
         self.device = ctx.env.device
         self.hot_rows = plan.hot_rows
         host_store = self.host.store
@@ -186,7 +201,12 @@ class HotColdTables(SparseModule):
             if self._current == "device":
                 self._sync_to_host()
             self._current = "host" if training else "both"
-            return self.host(features)  # counts its own accesses and bytes
+            self._counts["accesses"] += features.values.numel()
+            if self.device.type != "cpu":  # ids to the host, pooled rows back, their gradients to the host
+                pooled_bytes = features.lengths.numel() * self.space.dim * 4
+                self._counts["bytes_d2h"] += (features.values.numel() + features.lengths.numel()) * 8 + pooled_bytes
+                self._counts["bytes_h2d"] += pooled_bytes
+            return per_sample(self.host.pooled(features), features)
         if self._current == "host":
             self._sync_to_device()
         self._current = "device"
@@ -197,18 +217,18 @@ class HotColdTables(SparseModule):
         return per_sample(pooled_lookup(self.hot_store, slots, features.offsets(), self.device), features)
 
     def counters(self) -> dict[str, int]:
-        host = self.host.counters()
-        return {**self._counts, **{k: host.get(k, 0) + self._counts.get(k, 0) for k in host}}
+        return dict(self._counts)
 
     def memory(self) -> MemoryFootprint:
         device = self.hot_store.weights.nbytes + self.hot_store.state.nbytes + self.hot_slot.nbytes
-        return MemoryFootprint(device_bytes=device, host_bytes=self.host.memory().host_bytes + self.hot_rows.nbytes)
+        host = self.host.store.weights.nbytes + self.host.store.state.nbytes + self.hot_rows.nbytes
+        return MemoryFootprint(device_bytes=device, host_bytes=host)
 
     def flush(self) -> list[Tensor]:
         if self._current == "device":
             self._sync_to_host()
             self._current = "both"
-        return self.host.flush()
+        return [t.clone() for t in self.space.split(self.host.store.weights)]
 
     def extra_metrics(self) -> dict:
         p = self.plan

@@ -69,7 +69,7 @@ def test_every_depth_trains_the_weights_device_trains(stream, depth, policy, sla
     widest = max(1, max(_distinct(f, 2) for f in stream))
     capacity = min(2 * ROWS, (depth + 1) * widest + slack)
     cache = MixCache(_context(), SfctrParams(cache_ratio=capacity / (2 * ROWS), pipeline_depth=depth, policy=policy))
-    reference = WholeTables(_context(), on_host=False)
+    reference = WholeTables(_context())
     for got, want in zip(_drive(cache, stream), _drive(reference, stream)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for got, want in zip(cache.flush(), reference.flush()):
