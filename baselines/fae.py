@@ -200,7 +200,9 @@ class HotColdTables(SparseModule):
         if not hot:
             if self._current == "device":
                 self._sync_to_host()
-            self._current = "host" if training else "both"
+                self._current = "both"
+            if training:  # evaluation changes nothing: a stale device copy stays stale
+                self._current = "host"
             self._counts["accesses"] += features.values.numel()
             if self.device.type != "cpu":  # ids to the host, pooled rows back, their gradients to the host
                 pooled_bytes = features.lengths.numel() * self.space.dim * 4

@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from baselines.fae import HOT_TAG, FaeParams, FaeStrategy, plan_hot_cold
+from baselines.fae import HOT_TAG, FaeParams, FaePlan, FaeStrategy, HotColdTables, plan_hot_cold
+from baselines.tables import WholeTables
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.launch import run_cells
@@ -15,6 +16,7 @@ from embbench.runner import run_cell
 from embbench.scenario import Cell, parse_scenario
 from embbench.strategy import RuntimeEnv, ScheduleContext
 from tests.conftest import tiny_scenario
+from tests.test_sfctr import _context as _build_context, _features as _jagged
 
 CPU = RuntimeEnv(torch.device("cpu"))
 
@@ -156,3 +158,32 @@ def test_fae_cannot_run_on_several_ranks_and_says_why():
     assert "several ranks" in FaeStrategy().unsupported_reason(RuntimeEnv(torch.device("cpu"), world_size=2))
     with pytest.raises(RuntimeError, match="schedule"):
         FaeStrategy().build(None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["hot", "cold", "eval"]), st.lists(st.integers(0, 29), min_size=4,
+                                                                                   max_size=4)), max_size=10))
+def test_the_two_copies_of_a_hot_row_stay_consistent_through_switches_and_evaluation(steps):
+    hot_rows = torch.tensor([0, 1, 2, 3, 30, 31])  # rows 0-3 of table 0, rows 0-1 of table 1
+    plan = FaePlan(hot_rows=hot_rows, hot_samples=0, samples=1, profiled_samples=1, hot_batches=0, cold_batches=0)
+    fae, reference = HotColdTables(_build_context(), plan), WholeTables(_build_context())
+    for kind, ids in steps:
+        if kind == "hot":  # only hot ids: table 0 below 4, table 1 below 2
+            ids = [ids[0] % 4, ids[1] % 4, ids[2] % 2, ids[3] % 2]
+        features = _jagged([[[ids[0]], [ids[1]]], [[ids[2]], [ids[3]]]])
+        features.side[HOT_TAG] = kind == "hot"
+        outputs = []
+        for module in (fae, reference):
+            if kind == "eval":
+                with torch.no_grad():
+                    outputs.append(module(features))
+            else:
+                out = module(features)
+                (out * torch.linspace(0.5, 2, out.numel()).view_as(out)).sum().backward()
+                outputs.append(out.detach())
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-6)
+    for got, want in zip(fae.flush(), reference.flush()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    trained = [k for k, _ in steps if k != "eval"]
+    c = fae.counters()
+    assert (c["hot_batches"], c["cold_batches"]) == (trained.count("hot"), trained.count("cold"))
