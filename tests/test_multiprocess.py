@@ -22,6 +22,7 @@ STRATEGIES = [
     {"name": "cpu"},
     {"name": "freqcache", "params": {"cache_ratio": 0.05}},
     {"name": "gpu_sharded", "params": {"sharding": "table_wise"}},
+    {"name": "sfctr", "params": {"cache_ratio": 0.3, "pipeline_depth": 2}},
 ]
 
 
