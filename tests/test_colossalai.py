@@ -178,7 +178,7 @@ def test_row_state_trains_exactly_like_whole_tables(stream, opt_type, policy, sp
     needed = max(int(torch.unique(space.global_rows(b)).numel()) for b in batches)
     ratio = min(1.0, (needed + spare + 0.5) / space.num_rows)  # the cache holds the largest batch
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
-    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    reference = WholeTables(_context(tables, opt, batches))
     params = ColossalAIParams(cache_ratio=ratio, evict_policy=policy, optimizer_state="row", warmup_ratio=warmup,
                               buffer_size=buffer, profile_batches=profile)
     cache = ColossalAICache(_context(tables, opt, batches), params)

@@ -77,7 +77,7 @@ def _check_maps(cache: FreqCache) -> None:
 def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, prefetch, profile):
     tables, batches = stream
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
-    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    reference = WholeTables(_context(tables, opt, batches))
     params = FreqCacheParams(cache_ratio=ratio, policy=policy, prefetch=prefetch, profile_batches=profile, belady_steps=3)
     cache = FreqCache(_context(tables, opt, batches), params)
     expected = _train(reference, batches, prefetch=False)
@@ -99,7 +99,7 @@ def test_a_batch_larger_than_the_cache_trains_through_the_bypass():
     batches = [SparseFeatures(torch.arange(40) % 50, torch.ones(40, dtype=torch.long), 1) for _ in range(3)]
     opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.2)
     cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.1, profile_batches=1))
-    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    reference = WholeTables(_context(tables, opt, batches))
     for a, b in zip(_train(cache, batches, True), _train(reference, batches, False)):
         torch.testing.assert_close(a, b)
     for a, b in zip(cache.flush(), reference.flush()):
@@ -114,7 +114,7 @@ def test_optimizer_state_travels_with_evicted_rows():
     batches = [SparseFeatures(torch.tensor(i), torch.ones(2, dtype=torch.long), 1) for i in ids]
     opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.5)
     cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.25, profile_batches=0, policy="static"))
-    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    reference = WholeTables(_context(tables, opt, batches))
     _train(cache, batches, False)
     _train(reference, batches, False)
     assert cache.counters()["rows_evicted"] > 0 and cache.counters()["rows_written_back"] > 0
@@ -132,7 +132,7 @@ def test_prefetch_never_evicts_the_rows_the_current_step_uses():
     batches = [SparseFeatures(torch.tensor(ids), torch.ones(2, dtype=torch.long), 1) for ids in ([8, 9], [6, 7], [8, 9])]
     opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.5)
     cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.4, profile_batches=0, policy="static"))
-    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    reference = WholeTables(_context(tables, opt, batches))
     for a, b in zip(_train(cache, batches, True), _train(reference, batches, False)):
         torch.testing.assert_close(a, b)
     for a, b in zip(cache.flush(), reference.flush()):
@@ -197,7 +197,7 @@ def test_a_prefetched_batch_that_is_never_used_does_not_stand_in_for_another():
     opt = EmbeddingOptimizer(type="sgd", lr=0.1)
     batches = [SparseFeatures(torch.tensor([i, i + 1]), torch.ones(2, dtype=torch.long), 1) for i in range(4)]
     cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.5, profile_batches=0))
-    reference = WholeTables(_context(tables, opt, batches), on_host=False)
+    reference = WholeTables(_context(tables, opt, batches))
     cache.prefetch(SparseFeatures(torch.tensor([5, 6]), torch.ones(2, dtype=torch.long), 1))
     with torch.no_grad():
         for features in batches:
