@@ -168,17 +168,17 @@ def cmd_project(args: argparse.Namespace) -> int:
     if not records:
         raise ValueError(f"{args.results}: no finished (ok) cells to project from")
     table = Table(title="PROJECTION — a model (embbench/projection.py), not a measurement", header_style="bold",
-                  caption="t(W, bw) = (T0 - S0) * W0 / W + C(W) / bw + 4 * latency; T0: measured median step, "
-                          "S0: its time in collectives, C: bytes the busiest rank sends per step")
+                  caption="t(W, bw) = (T0 - S0) * W0 / W + C(W) / bw + 4 * latency; T0: measured mean step and "
+                          "S0: time in collectives, on the rank with the most; C: bytes the busiest rank sends per step")
     for col in ["measured cell", "W0", "T0 ms", "world", "link", "GB/s", "step ms", "samples/s"]:
         table.add_column(col, justify="left" if col in ("measured cell", "link") else "right")
     for record in records:
         if "config" not in record.scenario:
             raise RecordError(f"{args.results}: the record of {record.cell_id} holds no scenario config to project from")
         scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
-        t0 = record.metrics["step_time_s"]["median"] * 1e3
         for row in project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6):
-            table.add_row(escape(record.cell_id), str(record.world_size), f"{t0:,.2f}", str(row["world_size"]),
+            table.add_row(escape(record.cell_id), str(record.world_size), f"{row['measured_step_s'] * 1e3:,.2f}",
+                          str(row["world_size"]),
                           row["link"], f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
     console.print(table)
     return 0

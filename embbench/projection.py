@@ -1,7 +1,10 @@
 """A model of throughput at other world sizes and link bandwidths, from one measured cell.
 
-This is a model, not a measurement. For a cell measured on ``W0`` ranks with median step
-time ``T0`` (seconds), of which the busiest rank spent ``S0`` in collectives::
+This is a model, not a measurement. For a cell measured on ``W0`` ranks, the rank that spent
+the most time in collectives spent ``S0`` seconds per step in them, out of a mean step time
+of ``T0`` (both over the measured steps: the collective time is counted as a total, so it
+only subtracts from a mean over the same steps, on the same rank; a median step time is not
+comparable with it)::
 
     K0        = T0 - S0                                   compute per step at W0
     t(W, bw)  = K0 * W0 / W  +  C(W) / bw  +  4 * lat      projected step time (lat: W > 1 only)
@@ -27,7 +30,7 @@ from embbench.data.presets import TableSpec
 from embbench.results import Record
 from embbench.sharding import plan_table_wise
 
-__all__ = ["DEFAULT_LINKS_GBPS", "comm_bytes_per_rank", "project"]
+__all__ = ["DEFAULT_LINKS_GBPS", "comm_bytes_per_rank", "measured_step_and_comm", "project"]
 
 #: Per-rank, per-direction bandwidths (GB/s): H100 NVLink 4, PCIe 5 x16 in practice, 100 Gb/s
 #: and 400 Gb/s networks.
@@ -51,20 +54,30 @@ def comm_bytes_per_rank(tables: list[TableSpec], batch: int, world: int) -> list
     return sent
 
 
+def measured_step_and_comm(metrics: dict[str, Any]) -> tuple[float, float]:
+    """``(T0, S0)``: the mean step time and the time in collectives per step of the rank that
+    spent the most time in collectives."""
+    steps = metrics["measured_steps"]
+    per_rank = metrics.get("per_rank") or [{"counters": metrics["counters"]["total"]}]
+    busiest = max(per_rank, key=lambda r: r["counters"].get("comm_us", 0))
+    s0 = busiest["counters"].get("comm_us", 0) / 1e6 / steps
+    if "measured_seconds" in busiest:
+        return busiest["measured_seconds"] / steps, s0
+    return metrics["step_time_s"]["mean"], s0  # one rank, or a record older than measured_seconds
+
+
 def project(record: Record, tables: list[TableSpec], worlds: list[int], links_gbps: dict[str, float],
             latency_s: float = 0.0) -> list[dict[str, Any]]:
     """Projected step time and throughput for each world size and link (see module doc)."""
     m = record.metrics
     batch, w0 = m["samples_per_step"], record.world_size
-    t0 = m["step_time_s"]["median"]
-    per_rank = m.get("per_rank") or [{"counters": m["counters"]["total"]}]
-    s0 = max(r["counters"].get("comm_us", 0) for r in per_rank) / 1e6 / m["measured_steps"]
-    compute = max(t0 - s0, 0.0)
+    t0, s0 = measured_step_and_comm(m)
+    compute = max(t0 - s0, 0.0)  # (only a record from before measured_seconds can go below 0)
     rows = []
     for w in worlds:
         busiest = max(comm_bytes_per_rank(tables, batch, w))
         for link, gbps in links_gbps.items():
             t = compute * w0 / w + busiest / (gbps * 1e9) + (4 * latency_s if w > 1 else 0.0)
             rows.append({"world_size": w, "link": link, "gbps": gbps, "step_s": t, "samples_per_s": batch / t,
-                         "comm_bytes_per_rank": busiest})
+                         "comm_bytes_per_rank": busiest, "measured_step_s": t0})
     return rows

@@ -281,6 +281,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             **device_memory(device),
         },
         "counters": counters,
+        # the time of the steps the counters cover, on this rank (the projection subtracts them)
+        "measured_seconds": sum(step_seconds),
         "extra": sparse.extra_metrics(),
     }
     ranks = _gather_objects(this_rank, env, process_group)
