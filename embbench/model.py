@@ -1,7 +1,13 @@
-"""The dense part of DLRM: bottom MLP, pairwise dot interaction, top MLP.
+"""The dense parts of DLRM and DCNv2: bottom MLP, an interaction, top MLP.
+
+- DLRM: the pairwise dot products of the bottom output and the pooled embeddings.
+- DCNv2 (as in MLPerf DLRM-DCNv2): a cross network over the concatenation of the bottom
+  output and the pooled embeddings, ``x_{l+1} = x_0 * (W_l x_l + b_l) + x_l``, with
+  ``W_l`` optionally low-rank (``U_l V_l``); the top MLP reads the last ``x_l``.
 
 The embedding lookups are not here: a strategy's sparse module produces the pooled
-embeddings, so every strategy trains the same dense model.
+embeddings, so every strategy trains the same dense model. :func:`build_model` builds the
+one a scenario names.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from torch import Tensor, nn
 
-__all__ = ["ModelConfig", "DLRM"]
+__all__ = ["ModelConfig", "DCNv2", "DLRM", "build_model"]
 
 
 class ModelConfig(BaseModel):
@@ -20,9 +26,11 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: Literal["dlrm"] = "dlrm"
+    arch: Literal["dlrm", "dcnv2"] = "dlrm"
     bottom_mlp: list[PositiveInt] = Field(default_factory=lambda: [64, 16], min_length=1)
     top_mlp: list[PositiveInt] = Field(default_factory=lambda: [64, 1], min_length=1)
+    cross_layers: int = Field(3, ge=1, description="dcnv2: cross layers")
+    cross_rank: int | None = Field(None, ge=1, description="dcnv2: rank of each cross layer's weight (None: full)")
 
     @field_validator("top_mlp")
     @classmethod
@@ -41,6 +49,13 @@ def _mlp(widths: list[int], final_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _check_widths(config: ModelConfig, dim: int) -> None:
+    if config.bottom_mlp[-1] != dim:
+        raise ValueError(f"model.bottom_mlp must end in the embedding dim {dim}, got {config.bottom_mlp}")
+    if config.top_mlp[-1] != 1:
+        raise ValueError(f"model.top_mlp must end in 1 (one logit), got {config.top_mlp}")
+
+
 class DLRM(nn.Module):
     """DLRM's dense part, returning one logit per sample.
 
@@ -53,10 +68,7 @@ class DLRM(nn.Module):
 
     def __init__(self, config: ModelConfig, num_dense: int, num_tables: int, dim: int):
         super().__init__()
-        if config.bottom_mlp[-1] != dim:
-            raise ValueError(f"model.bottom_mlp must end in the embedding dim {dim}, got {config.bottom_mlp}")
-        if config.top_mlp[-1] != 1:
-            raise ValueError(f"model.top_mlp must end in 1 (one logit), got {config.top_mlp}")
+        _check_widths(config, dim)
         self.num_tables, self.dim = num_tables, dim
         self.bottom = _mlp([num_dense, *config.bottom_mlp], final_activation=True)
         vectors = num_tables + 1
@@ -68,3 +80,48 @@ class DLRM(nn.Module):
         vectors = torch.cat([x.unsqueeze(1), pooled.view(-1, self.num_tables, self.dim)], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self._pairs[0], self._pairs[1]]
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+
+
+class CrossLayer(nn.Module):
+    """``x0 * (W x + b) + x``, with ``W = U V`` of rank ``rank`` when given."""
+
+    def __init__(self, width: int, rank: int | None):
+        super().__init__()
+        if rank is None or rank >= width:
+            self.project = nn.Linear(width, width)
+        else:
+            self.project = nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, width))
+
+    def forward(self, x0: Tensor, x: Tensor) -> Tensor:
+        return x0 * self.project(x) + x
+
+
+class DCNv2(nn.Module):
+    """DCNv2's dense part (MLPerf DLRM-DCNv2 layout), returning one logit per sample.
+
+    Args:
+        config: MLP widths, cross layers and their rank (the top MLP must end in 1).
+        num_dense: dense input features.
+        num_tables: pooled embeddings per sample.
+        dim: embedding dimension.
+    """
+
+    def __init__(self, config: ModelConfig, num_dense: int, num_tables: int, dim: int):
+        super().__init__()
+        _check_widths(config, dim)
+        width = (num_tables + 1) * dim
+        self.bottom = _mlp([num_dense, *config.bottom_mlp], final_activation=True)
+        self.cross = nn.ModuleList(CrossLayer(width, config.cross_rank) for _ in range(config.cross_layers))
+        self.top = _mlp([width, *config.top_mlp], final_activation=False)
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        x0 = torch.cat([self.bottom(dense), pooled], dim=1)
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        return self.top(x).squeeze(1)
+
+
+def build_model(config: ModelConfig, num_dense: int, num_tables: int, dim: int) -> nn.Module:
+    """The dense model a scenario names (``model.arch``)."""
+    return {"dlrm": DLRM, "dcnv2": DCNv2}[config.arch](config, num_dense, num_tables, dim)
