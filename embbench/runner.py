@@ -23,8 +23,8 @@ from embbench.data import NUM_DENSE_FEATURES, Stream, TableSpec
 from embbench.data.synthetic import _mix
 from embbench.metrics import (OpCounter, StepTimer, auc_logloss, confidence_interval, device_memory, miss_rate,
                               peak_rss_bytes, summarize, warmed_up)
-from embbench.model import DLRM
-from embbench.scenario import Cell, Scenario
+from embbench.model import build_model
+from embbench.scenario import Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
 from embbench.strategy import BuildContext, RuntimeEnv, Schedule, Unsupported
 
@@ -79,6 +79,12 @@ _OPS_STEPS = 2
 _PROFILE_STEPS = 3
 #: Warm-up watches the miss rate over windows of this many steps.
 _WARMUP_WINDOW = 5
+
+
+def training_batches_read(run: RunConfig, profile: bool = True) -> int:
+    """How many training batches a cell reads: the longest warm-up, every measured step, the
+    untimed steps that count operators (and profile), and the batch the last step prefetches."""
+    return run.warmup_bound + run.repeats * run.steps + _OPS_STEPS + (_PROFILE_STEPS if profile else 0) + 1
 
 
 class _Progress:
@@ -137,7 +143,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
 
     # The training batches in the order they are trained: the data's, or a strategy's schedule.
     data = scenario.data_source(device)
-    train_steps = run.warmup_bound + run.repeats * run.steps + _OPS_STEPS + (_PROFILE_STEPS if profile_path else 0)
+    train_steps = training_batches_read(run, profile=profile_path is not None) - 1
     stream = TrainingStream(data, global_batch, env.rank, env.world_size, num_batches=train_steps + 1)
     if schedule is not None:
         stream.set_schedule(schedule)
@@ -154,7 +160,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     sparse = strategy.build(ctx)
     build_seconds = time.perf_counter() - build_start
     torch.manual_seed(run.seed)  # the same dense initial weights for every strategy
-    model = DLRM(scenario.model, NUM_DENSE_FEATURES, len(tables), tables[0].dim).to(device)
+    model = build_model(scenario.model, NUM_DENSE_FEATURES, len(tables), tables[0].dim).to(device)
     if env.world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
     dense_optimizer = scenario.optimizer.dense.build(model.parameters())

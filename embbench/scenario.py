@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from embbench.data.presets import PRESETS, TableSpec, make_tables
+from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.strategy import Strategy, get_strategy
@@ -34,12 +36,73 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DriftConfig(_Strict):
+    every: int = Field(gt=0, description="training batches between two rotations of the hot set")
+    fraction: float = Field(gt=0, le=1, description="share of the hot ids replaced at each rotation")
+
+
+# The keys that belong to one data source only (the others must be left out).
+_SOURCE_KEYS = {
+    "synthetic": {"preset", "scale", "alpha", "drift"},
+    "criteo_tsv": {"path", "format", "eval", "hash_size", "min_count", "epochs"},
+    "trace": {"path", "epochs"},
+}
+
+
 class DataConfig(_Strict):
-    preset: Literal[tuple(PRESETS)] = "criteo_kaggle"  # type: ignore[valid-type]
-    scale: float = Field(1.0, gt=0, le=1, description="multiplies every table's cardinality")
+    """The data of a scenario: a synthetic preset, real Criteo files, or a recorded trace."""
+
+    source: Literal["synthetic", "criteo_tsv", "trace"] = "synthetic"
     embedding_dim: int = Field(128, gt=0)
-    alpha: float = Field(1.15, ge=0, description="Zipf exponent of id popularity")
     batch_size: int = Field(16384, gt=0, description="global: split across the ranks")
+    # synthetic
+    preset: str = Field("criteo_kaggle", description=f"one of {', '.join(PRESETS)}")
+    scale: float = Field(1.0, gt=0, le=1, description="multiplies every table's cardinality")
+    alpha: float | list[float] = Field(1.15, description="Zipf exponent of id popularity, or one per table")
+    drift: DriftConfig | None = Field(None, description="rotate the hot set every N training batches")
+    # criteo_tsv and trace
+    path: str | None = Field(None, description="a file, a glob, or a directory of day_N files (plain or .gz); a trace .npz")
+    format: Literal["kaggle", "terabyte"] = "kaggle"
+    eval: float | str = Field(0.1, description="the fraction of the rows (the last ones) that evaluate, or evaluation files")
+    hash_size: int | list[int] | None = Field(None, description="ids modulo this (one cap, or one per table)")
+    min_count: int = Field(1, ge=1, description="training ids seen fewer times share one row per table")
+    epochs: int = Field(1, ge=1, description="how many times a run may read the training rows")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value in RENAMED_PRESETS:
+            raise PydanticCustomError("renamed", f"preset {value!r} was renamed: use {RENAMED_PRESETS[value]}")
+        if value not in PRESETS:
+            raise PydanticCustomError("unknown", f"unknown preset {value!r}; known: {', '.join(PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DataConfig":
+        def fail(key: str, message: str):
+            raise PydanticCustomError("data", f"{key}: {message}")
+
+        foreign = {k for keys in _SOURCE_KEYS.values() for k in keys} - _SOURCE_KEYS[self.source]
+        for key in sorted(self.model_fields_set & foreign):
+            owners = [s for s, keys in _SOURCE_KEYS.items() if key in keys]
+            hint = " (--scale)" if key == "scale" else ""
+            fail(key, f"only for source {' or '.join(owners)}, this data's source is {self.source}{hint}")
+        if self.source != "synthetic" and not self.path:
+            fail("path", f"source {self.source} needs a path")
+        for key, values, low in (("alpha", self.alpha, 0), ("hash_size", self.hash_size, 1)):
+            items = values if isinstance(values, list) else [values] if values is not None else []
+            if isinstance(values, list) and len(values) != 26:
+                fail(key, f"a list needs one value per table (26), got {len(values)}")
+            if any(v < low for v in items):
+                fail(key, f"values must be >= {low}")
+        if isinstance(self.eval, float) and not 0 < self.eval < 1:
+            fail("eval", f"a fraction must be in (0, 1), got {self.eval}")
+        if self.drift is not None:
+            from embbench.data.sources import drift_supported
+
+            if not drift_supported():
+                fail("drift", "unsupported: this version's synthetic generator has no hot-set rotation yet")
+        return self
 
 
 class OptimizerConfig(_Strict):
@@ -97,13 +160,17 @@ class Scenario(_Strict):
     strategies: list[StrategyEntry] = Field(min_length=1)
 
     def tables(self) -> list[TableSpec]:
-        return make_tables(self.data.preset, self.data.embedding_dim, self.data.scale, self.data.alpha)
+        """The tables: a preset's (synthetic), or counted from the files or the trace (cached)."""
+        from embbench.data.sources import source_tables
 
-    def data_source(self, device):
-        """The batch source of this scenario (``.batch(stream, index, batch_size) -> Batch``)."""
-        from embbench.data.synthetic import SyntheticCriteo
+        return source_tables(self.data)
 
-        return SyntheticCriteo(self.tables(), self.run.seed, device)
+    def data_source(self, device: torch.device | str):
+        """The batch source (``.batch(stream, index, batch_size)``); for files, after checking
+        that they hold the rows the run reads."""
+        from embbench.data.sources import open_source
+
+        return open_source(self.data, self.run, device)
 
     def digest(self) -> str:
         """A hash of the effective scenario (after command-line overrides)."""

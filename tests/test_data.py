@@ -7,7 +7,7 @@ from embbench.data.presets import PRESETS
 
 def test_presets_have_the_real_cardinalities():
     assert sum(PRESETS["criteo_kaggle"][0]) == 33_762_577
-    assert sum(PRESETS["criteo_1tb"][0]) == 177_944_275
+    assert sum(PRESETS["criteo_1tb_freq3"][0]) == 177_944_275
     assert sum(PRESETS["mlperf_dcnv2"][0]) == 204_184_588
     assert all(len(rows) == 26 and len(bags) == 26 for rows, bags in PRESETS.values())
     assert [t.num_rows for t in make_tables("criteo_kaggle", 8, scale=0.001)][:3] == [1, 1, 10131]

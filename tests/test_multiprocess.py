@@ -71,7 +71,7 @@ def test_a_rank_that_raises_fails_its_cell_and_the_next_cell_runs(tmp_path, rank
 
 
 def test_table_wise_plan_gives_every_rank_a_table_and_balances_the_large_ones():
-    tables = make_tables("criteo_1tb", 16)
+    tables = make_tables("criteo_1tb_freq3", 16)
     owner = plan_table_wise(tables, 8)
     assert set(owner) == set(range(8))
     load = [sum(t.num_rows for t, o in zip(tables, owner) if o == r) for r in range(8)]

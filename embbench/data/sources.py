@@ -1,0 +1,140 @@
+"""The one place that turns a scenario's ``data`` section into tables and a batch source.
+
+``synthetic`` generates batches on the device; ``criteo_tsv`` reads Criteo files through
+the cache (:mod:`embbench.data.criteo`); ``trace`` replays a recorded id stream
+(:mod:`embbench.data.trace`). Every source answers ``batch(stream, index, batch_size)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from embbench.data.criteo import NUM_TABLES, CriteoDataset, CriteoSource, Progress, input_files, prepare_dataset
+from embbench.data.presets import TableSpec, make_tables
+from embbench.data.synthetic import Stream, SyntheticCriteo
+from embbench.data.trace import Trace, TraceSource
+
+if TYPE_CHECKING:
+    from embbench.scenario import DataConfig, RunConfig
+
+__all__ = ["CACHE_ENV", "DataSizeError", "batches_needed", "check_rows", "criteo_dataset", "data_cache_dir",
+           "drift_supported", "load_trace", "open_source", "source_tables"]
+
+#: The environment variable that carries ``--data-cache`` to the cells' processes.
+CACHE_ENV = "EMBBENCH_DATA_CACHE"
+
+
+class DataSizeError(ValueError):
+    """A data file with fewer rows than the run reads."""
+
+
+def data_cache_dir() -> Path:
+    """Where parsed files live: ``$EMBBENCH_DATA_CACHE`` (``embbench run`` sets it to
+    ``--data-cache`` or the run directory's ``data-cache``), else ``results/data-cache``."""
+    return Path(os.environ.get(CACHE_ENV) or Path("results") / "data-cache")
+
+
+def drift_supported() -> bool:
+    """Whether this version's synthetic generator can rotate its hot set."""
+    return "drift_every" in inspect.signature(SyntheticCriteo).parameters
+
+
+def hash_sizes(data: "DataConfig") -> list[int] | None:
+    if data.hash_size is None:
+        return None
+    return data.hash_size if isinstance(data.hash_size, list) else [data.hash_size] * NUM_TABLES
+
+
+@lru_cache(maxsize=4)
+def _dataset(data_json: str, cache_dir: Path) -> CriteoDataset:
+    from embbench.scenario import DataConfig
+
+    return _prepare(DataConfig.model_validate_json(data_json), cache_dir, None)
+
+
+def _prepare(data: "DataConfig", cache_dir: Path, on_progress: Progress | None) -> CriteoDataset:
+    eval_spec: Any = input_files(data.eval, data.format) if isinstance(data.eval, str) else data.eval
+    return prepare_dataset(input_files(data.path, data.format), cache_dir, eval_spec, hash_sizes(data),
+                           data.min_count, on_progress)
+
+
+def criteo_dataset(data: "DataConfig", cache_dir: Path | None = None, on_progress: Progress | None = None) -> CriteoDataset:
+    """The prepared dataset of a ``criteo_tsv`` scenario (converted on first use, then cached)."""
+    cache_dir = (cache_dir or data_cache_dir()).resolve()
+    if on_progress is not None:
+        _prepare(data, cache_dir, on_progress)  # fills the cache with progress shown; the lookup below is then cheap
+    return _dataset(data.model_dump_json(), cache_dir)
+
+
+@lru_cache(maxsize=4)
+def load_trace(path: str) -> Trace:
+    return Trace(path)
+
+
+def source_tables(data: "DataConfig") -> list[TableSpec]:
+    """The tables of a scenario's data: a preset's, or those the files or the trace hold."""
+    dim = data.embedding_dim
+    if data.source == "synthetic":
+        return make_tables(data.preset, dim, data.scale, data.alpha)
+    if data.source == "criteo_tsv":
+        ds = criteo_dataset(data)
+        return [TableSpec(f"t{i}", n, dim, 1, a) for i, (n, a) in enumerate(zip(ds.cardinalities, ds.alphas))]
+    from embbench.data.stats import fit_zipf_alpha
+
+    trace = load_trace(data.path)
+    return [TableSpec(f"t{i}", int(n), dim, bag, fit_zipf_alpha(trace.counts(i)))
+            for i, (n, bag) in enumerate(zip(trace.num_rows, trace.bag_sizes()))]
+
+
+def batches_needed(run: "RunConfig") -> tuple[int, int]:
+    """Training and evaluation batches a run reads (at most: with a profile, and the longest warm-up)."""
+    from embbench.runner import training_batches_read
+
+    return training_batches_read(run), run.eval_batches
+
+
+def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int]) -> None:
+    """Raise :class:`DataSizeError` if a stream has fewer rows than one batch, or fewer than
+    the run reads (``data.epochs`` times the rows may be read)."""
+    train, evaluation = batches_needed(run)
+    for stream, batches in ((Stream.TRAIN, train), (Stream.EVAL, evaluation)):
+        if batches == 0:
+            continue
+        have, need = rows[stream], batches * data.batch_size
+        name = stream.name.lower()
+        what = (f"{batches} batches of {data.batch_size}" if stream == Stream.EVAL else
+                f"warm-up, {run.steps} steps x {run.repeats} repeats, a few untimed steps and one prefetched batch: "
+                f"{batches} batches of {data.batch_size}")
+        if have < data.batch_size:
+            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows, fewer than one batch "
+                                f"(data.batch_size {data.batch_size})")
+        if have * data.epochs < need:
+            epochs = -(-need // have)
+            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows; the run needs {need:,} "
+                                f"({what}). Set data.epochs: {epochs} to read it {epochs} times, or ask for fewer steps")
+
+
+def stream_rows(data: "DataConfig") -> dict[Stream, int]:
+    if data.source == "criteo_tsv":
+        ds = criteo_dataset(data)
+        return {s: ds.rows(s) for s in Stream}
+    trace = load_trace(data.path)
+    return {s: trace.samples(s) for s in Stream}
+
+
+def open_source(data: "DataConfig", run: "RunConfig", device: torch.device | str):
+    """The batch source of a scenario, after checking that its data is long enough."""
+    tables = source_tables(data)
+    if data.source == "synthetic":
+        drift = {} if data.drift is None else {"drift_every": data.drift.every, "drift_fraction": data.drift.fraction}
+        return SyntheticCriteo(tables, run.seed, device, **drift)
+    check_rows(data, run, stream_rows(data))
+    if data.source == "criteo_tsv":
+        return CriteoSource(criteo_dataset(data), device)
+    return TraceSource(load_trace(data.path), run.seed, device)
