@@ -1,8 +1,9 @@
-"""``embbench run | strategies | show | project``."""
+"""``embbench run | strategies | show | project | data check | data prepare | trace record``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -71,11 +72,13 @@ def _run_directory(path: Path) -> Path:
 def cmd_run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
     scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=strategies)
+    out = Path(args.out) if args.out else Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
+    if not args.dry_run:
+        _run_directory(out)  # before any data is converted into it
+    _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
     if args.dry_run:
         _dry_run(scenario, cells)
         return 0
-    out = Path(args.out) if args.out else Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
-    _run_directory(out)
     console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
     try:
         records = _run_with_progress(args, scenario, cells, out)
@@ -116,6 +119,129 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path) -> 
                                     on_start=on_start, on_done=on_done)
         return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=on_start,
                          on_done=on_done, on_notice=on_notice, force=args.force)
+
+
+def _conversion_progress() -> Progress:
+    from rich.progress import DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return Progress(TextColumn("converting {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TextColumn("{task.fields[rows]:,} rows, {task.fields[rate]:,.0f} rows/s"), TimeRemainingColumn(),
+                    console=console, transient=True)
+
+
+def _progress_callback(progress: Progress):
+    """An ``on_progress`` for the Criteo converter: one bar per file, bytes read and rows/s."""
+    import time
+
+    tasks: dict[str, tuple] = {}
+
+    def on_progress(name: str, done: int, total: int, rows: int) -> None:
+        if name not in tasks:
+            tasks[name] = (progress.add_task(escape(name), total=total, rows=0, rate=0.0), time.perf_counter())
+        task, start = tasks[name]
+        progress.update(task, completed=done, rows=rows, rate=rows / max(time.perf_counter() - start, 1e-9))
+
+    return on_progress
+
+
+def _prepare_data(scenario, cache_dir: Path) -> None:
+    """Point the cells at the data cache and, for files, convert and check them before any
+    cell starts (a malformed or too short file stops the run here, with nothing run)."""
+    from embbench.data.sources import CACHE_ENV, check_rows, criteo_dataset, stream_rows
+
+    os.environ[CACHE_ENV] = str(cache_dir.resolve())
+    if scenario.data.source == "synthetic":
+        return
+    if scenario.data.source == "criteo_tsv":
+        with _conversion_progress() as progress:
+            criteo_dataset(scenario.data, cache_dir, _progress_callback(progress))
+    check_rows(scenario.data, scenario.run, stream_rows(scenario.data))
+
+
+def _stats_table(title: str, stats: list, caption: str) -> Table:
+    grid = Table(title=title, header_style="bold", caption=caption)
+    for col in ["table", "accesses", "distinct ids", "empty", "seen once", "top 1% ids' share", "Zipf alpha"]:
+        grid.add_column(col, justify="right")
+    for i, st in enumerate(stats):
+        empty = f"{st.empty / (st.accesses + st.empty):.1%}" if st.accesses + st.empty else "-"
+        grid.add_row(f"t{i}", f"{st.accesses:,}", f"{st.distinct:,}", empty, f"{st.singletons:,}",
+                     f"{st.top1_share:.1%}", f"{st.alpha:.2f}")
+    return grid
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import numpy as np
+
+    from embbench.data.criteo import convert_file, id_counts, input_files
+    from embbench.data.stats import table_stats
+    from embbench.data.synthetic import Stream
+
+    if str(args.path).endswith(".npz"):
+        from embbench.data.trace import Trace
+
+        trace = Trace(args.path)
+        samples = {s: trace.samples(s) for s in Stream}
+        stats = [table_stats(trace.counts(t)) for t in range(len(trace.num_rows))]
+        features = "recorded" if trace.has_features(Stream.TRAIN) else "absent (a replay synthesises them)"
+        console.print(_stats_table(
+            f"{args.path}: a valid trace", stats,
+            f"{samples[Stream.TRAIN]:,} training and {samples[Stream.EVAL]:,} evaluation samples; {len(stats)} tables "
+            f"of {', '.join(f'{n:,}' for n in trace.num_rows)} rows; bag sizes {trace.bag_sizes()}; labels and dense "
+            f"features {features}. Statistics of the training stream."))
+        return 0
+    hash_sizes = [args.hash_size] * 26 if args.hash_size else None
+    with tempfile.TemporaryDirectory(prefix="embbench-check-") as tmp:
+        cache = Path(args.data_cache) if args.data_cache else Path(tmp)
+        with _conversion_progress() as progress:
+            parsed = [convert_file(f, cache, hash_sizes, _progress_callback(progress)) for f in input_files(args.path, args.format)]
+        rows = sum(f.rows for f in parsed)
+        positives = sum(int(np.asarray(f.array("labels"), dtype=np.int64).sum()) for f in parsed)
+        counts = id_counts([(f, 0, f.rows) for f in parsed])
+        stats = [table_stats(c, empty=rows - int(c.sum())) for _, c in counts]
+    console.print(_stats_table(
+        f"{args.path}: {len(parsed)} valid file(s), {rows:,} rows", stats,
+        f"labels: {positives / rows:.2%} positive; ids {'modulo ' + str(args.hash_size) if args.hash_size else 'as written'}; "
+        "Zipf alpha: least-squares slope of log count against log rank, ids seen twice or more"))
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    import time
+
+    scenario, _ = load_scenario(args.scenario, scale=args.scale)
+    out = Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
+    cache = Path(args.data_cache) if args.data_cache else out / "data-cache"
+    if scenario.data.source == "synthetic":
+        console.print(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare")
+        return 0
+    start = time.perf_counter()
+    _prepare_data(scenario, cache)
+    tables = scenario.tables()
+    console.print(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
+                  f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}")
+    return 0
+
+
+def cmd_trace_record(args: argparse.Namespace) -> int:
+    import torch
+
+    from embbench.data.sources import batches_needed
+    from embbench.data.trace import record_trace
+
+    scenario, _ = load_scenario(args.scenario, scale=args.scale)
+    _prepare_data(scenario, Path(args.data_cache) if args.data_cache else Path("results") / "data-cache")
+    train, evaluation = batches_needed(scenario.run)
+    train = args.train_batches or train
+    evaluation = args.eval_batches if args.eval_batches is not None else evaluation
+    tables = scenario.tables()
+    source = scenario.data_source(torch.device("cpu"))
+    written = record_trace(source, [t.num_rows for t in tables], scenario.data.batch_size, train, evaluation,
+                           Path(args.out), features=args.features)
+    console.print(f"{args.out}: {written['train']:,} training and {written['eval']:,} evaluation samples of "
+                  f"{len(tables)} tables ({'with' if args.features else 'without'} labels and dense features)")
+    return 0
 
 
 def _type_name(annotation) -> str:
@@ -219,6 +345,33 @@ def _links(text: str) -> dict[str, float]:
     return links
 
 
+def _add_data_commands(sub) -> None:
+    data = sub.add_parser("data", help="check Criteo files or traces; prepare a scenario's data cache")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    check = data_sub.add_parser("check", help="validate Criteo TSV files or a trace; print rows, cardinalities, skew")
+    check.add_argument("path", help="a file, a glob, or a directory of day_N files (plain or .gz); or a trace .npz")
+    check.add_argument("--format", choices=["kaggle", "terabyte"], default="kaggle", help="how a directory is read")
+    check.add_argument("--hash-size", type=int, help="count ids modulo this, as data.hash_size does")
+    check.add_argument("--data-cache", help="keep the parsed files in this folder (default: a temporary one)")
+    check.set_defaults(func=cmd_data_check)
+    prepare = data_sub.add_parser("prepare", help="build a scenario's data cache ahead of `embbench run`")
+    prepare.add_argument("scenario", help="scenario YAML file")
+    prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: the run directory's)")
+    prepare.add_argument("--scale", type=float, help="as `run --scale` (synthetic data only)")
+    prepare.set_defaults(func=cmd_data_prepare)
+    trace = sub.add_parser("trace", help="record the id stream a scenario produces")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    record = trace_sub.add_parser("record", help="write a scenario's training and evaluation id streams to a .npz trace")
+    record.add_argument("scenario", help="scenario YAML file")
+    record.add_argument("--out", required=True, help="the trace file (.npz)")
+    record.add_argument("--train-batches", type=int, help="training batches (default: what a run of the scenario reads)")
+    record.add_argument("--eval-batches", type=int, help="evaluation batches (default: run.eval_batches)")
+    record.add_argument("--features", action="store_true", help="also record labels and dense features")
+    record.add_argument("--scale", type=float, help="as `run --scale` (synthetic data only)")
+    record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
+    record.set_defaults(func=cmd_trace_record)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embbench", description="Benchmark embedding-table placement strategies.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -231,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")
+    run.add_argument("--data-cache", help="folder of parsed data files, shared across runs (default: <run dir>/data-cache)")
     run.set_defaults(func=cmd_run)
+    _add_data_commands(sub)
     strategies = sub.add_parser("strategies", help="list installed strategies, their parameters, and whether they run here")
     strategies.set_defaults(func=cmd_strategies)
     show = sub.add_parser("show", help="print the comparison table of a (partial) run")

@@ -82,8 +82,10 @@ class DataConfig(_Strict):
         def fail(key: str, message: str):
             raise PydanticCustomError("data", f"{key}: {message}")
 
+        # Compared with the defaults, not the keys given: a scenario passed on to the cells'
+        # processes is written out with every key.
         foreign = {k for keys in _SOURCE_KEYS.values() for k in keys} - _SOURCE_KEYS[self.source]
-        for key in sorted(self.model_fields_set & foreign):
+        for key in sorted(k for k in foreign if getattr(self, k) != type(self).model_fields[k].default):
             owners = [s for s, keys in _SOURCE_KEYS.items() if key in keys]
             hint = " (--scale)" if key == "scale" else ""
             fail(key, f"only for source {' or '.join(owners)}, this data's source is {self.source}{hint}")

@@ -46,7 +46,7 @@ from embbench.data.synthetic import Stream
 
 __all__ = [
     "CACHE_VERSION", "CriteoDataset", "CriteoSource", "DataFormatError", "NUM_TABLES", "ParsedFile",
-    "convert_file", "input_files", "prepare_dataset",
+    "convert_file", "id_counts", "input_files", "prepare_dataset",
 ]
 
 CACHE_VERSION = 1
@@ -431,8 +431,8 @@ def _split(files: list[ParsedFile], eval_fraction: float | None) -> tuple[list[t
     return train, ev
 
 
-def _training_counts(train: list[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per table, the distinct ids of the training rows and how often each occurs."""
+def id_counts(train: list[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per table, the distinct ids of the rows ``(file, lo, hi)`` and how often each occurs."""
     parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(NUM_TABLES)]
     for f, lo, hi in train:
         ids = f.array("ids")
@@ -487,7 +487,7 @@ def prepare_dataset(files: list[Path], cache_dir: Path, eval_spec: float | list[
 
     def fill(tmp: Path) -> None:
         started = time.perf_counter()
-        counts = _training_counts(train)
+        counts = id_counts(train)
         vocabularies = [unique[count >= min_count] for unique, count in counts]
         for name, f in inputs.items():
             ids = f.array("ids")

@@ -43,7 +43,7 @@ def write_fake_criteo(path: str | Path, rows: int, seed: int = 0, cardinality: i
         columns[f"C{t + 1}"] = vocabulary.take(indices)
         if t < 2:
             effect += np.where(empty, 0, np.sin(ranks * 12.9898 + t) > 0) * 1.5
-    logit = -2.0 + effect + 0.4 * dense0
+    logit = -3.5 + effect + 0.4 * dense0
     labels = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64)
     table = pa.table({"label": pa.array(labels).cast(pa.string()),
                       **{f"I{k + 1}": columns[f"I{k + 1}"] for k in range(NUM_DENSE_FEATURES)},
