@@ -60,3 +60,56 @@ def test_project_rejects_a_malformed_link_naming_the_flag(tmp_path):
     proc = embbench("project", str(tmp_path), "--links", "nvlink")
     assert proc.returncode == 2
     assert "argument --links: 'nvlink': expected name=GB/s" in proc.stderr
+
+
+def _tsv_scenario_file(tmp_path: Path, data: dict, strategies: list[dict]) -> Path:
+    raw = {"name": "tsv", "data": {"embedding_dim": 8, "batch_size": 128, **data},
+           "model": {"arch": "dcnv2", "bottom_mlp": [16, 8], "top_mlp": [16, 1]},
+           "run": {"device": "cpu", "warmup_steps": 1, "steps": 3, "repeats": 2, "eval_batches": 2},
+           "baseline": "device", "strategies": strategies}
+    path = tmp_path / f"{data['source']}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
+    from embbench.data.fake_criteo import write_fake_criteo
+
+    data = write_fake_criteo(tmp_path / "train.txt", 3000, seed=2)
+    cache = tmp_path / "cache"
+    scenario = _tsv_scenario_file(tmp_path, {"source": "criteo_tsv", "path": str(data), "eval": 0.2, "min_count": 2},
+                                  [{"name": "device"}, {"name": "cpu"}, {"name": "freqcache", "params": {"cache_ratio": 0.2}},
+                                   {"name": "colossalai", "params": {"cache_ratio": 0.5}}])
+    proc = embbench("run", str(scenario), "--out", str(tmp_path / "run"), "--data-cache", str(cache))
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(p.read_text()) for p in (tmp_path / "run").glob("*.json")]
+    assert len(records) == 4 and all(r["status"] == "ok" and 0 < r["metrics"]["accuracy"]["auc"] < 1 for r in records)
+    assert list(cache.glob("files/train.txt-*/meta.json")), "the parsed file is kept in --data-cache"
+
+    trace = tmp_path / "ids.npz"
+    proc = embbench("trace", "record", str(scenario), "--out", str(trace), "--data-cache", str(cache))
+    assert proc.returncode == 0, proc.stderr
+    checked = embbench("data", "check", str(trace))
+    assert checked.returncode == 0 and "a valid trace" in checked.stdout, checked.stderr
+    replay = _tsv_scenario_file(tmp_path, {"source": "trace", "path": str(trace)}, [{"name": "device"}])
+    proc = embbench("run", str(replay), "--out", str(tmp_path / "replay"))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path):
+    from embbench.data.fake_criteo import write_fake_criteo
+
+    data = write_fake_criteo(tmp_path / "train.txt", 300, seed=2)
+    good = embbench("data", "check", str(data))
+    assert good.returncode == 0 and "300 rows" in good.stdout and "Zipf alpha" in good.stdout, good.stderr
+    lines = data.read_text().splitlines(keepends=True)
+    fields = lines[41].split("\t")
+    fields[20] = "12x"
+    lines[41] = "\t".join(fields)
+    data.write_text("".join(lines))
+    bad = embbench("data", "check", str(data))
+    assert bad.returncode == 2 and f"{data}:42: column 21 (C7): not a hexadecimal id: '12x'" in bad.stderr
+    scenario = _tsv_scenario_file(tmp_path, {"source": "criteo_tsv", "path": str(data)}, [{"name": "device"}])
+    proc = embbench("run", str(scenario), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2 and f"{data}:42: column 21" in proc.stderr
+    assert not list((tmp_path / "run").glob("*.json"))
