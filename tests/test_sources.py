@@ -257,3 +257,19 @@ def test_drift_rotates_the_hot_ids_every_n_batches():
 def test_drift_without_a_drifting_generator_is_refused_by_name():
     with pytest.raises(ScenarioError, match="data: drift: unsupported"):
         parse_scenario(tiny_scenario(data={"drift": {"every": 4, "fraction": 0.5}}), "s.yaml")
+
+
+@pytest.mark.parametrize("strategy, params", [
+    ("cpu", {}), ("freqcache", {"cache_ratio": 0.3}), ("colossalai", {"cache_ratio": 0.5, "optimizer_state": "row"}),
+])
+def test_multi_hot_bags_and_dcnv2_train_every_cpu_placement_like_device(tmp_path, strategy, params):
+    # Smaller steps than TINY's: sums of multi-hot bags through cross layers overflow at lr 0.1.
+    raw = tiny_scenario(data={"preset": "mlperf_dcnv2", "scale": 0.0001},
+                        model={"arch": "dcnv2", "cross_layers": 2, "cross_rank": 4},
+                        optimizer={"embedding": {"type": "rowwise_adagrad", "lr": 0.05}, "dense": {"type": "adagrad", "lr": 0.01}})
+    assert max(t.bag_size for t in parse_scenario(raw)[0].tables()) > 1
+    reference, _ = train_and_flush(raw, "device", tmp_path=tmp_path)
+    flushed, metrics = train_and_flush(raw, strategy, params, tmp_path=tmp_path)
+    assert math.isfinite(metrics["accuracy"]["logloss"])
+    for a, b in zip(reference, flushed):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
