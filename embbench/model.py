@@ -56,11 +56,12 @@ def _check_widths(config: ModelConfig, dim: int) -> None:
         raise ValueError(f"model.top_mlp must end in 1 (one logit), got {config.top_mlp}")
 
 
-class DLRM(nn.Module):
-    """DLRM's dense part, returning one logit per sample.
+class _DenseModel(nn.Module):
+    """The dense part of a recommendation model: a bottom MLP over the dense features, then
+    an arch-specific top over them and the pooled embeddings; one logit per sample.
 
     Args:
-        config: MLP widths (the top MLP must end in 1).
+        config: MLP widths (the bottom MLP ends in ``dim``, the top MLP in 1), cross layers.
         num_dense: dense input features.
         num_tables: pooled embeddings per sample.
         dim: embedding dimension.
@@ -71,6 +72,13 @@ class DLRM(nn.Module):
         _check_widths(config, dim)
         self.num_tables, self.dim = num_tables, dim
         self.bottom = _mlp([num_dense, *config.bottom_mlp], final_activation=True)
+
+
+class DLRM(_DenseModel):
+    """DLRM: pairwise dot products of the bottom output and the pooled embeddings."""
+
+    def __init__(self, config: ModelConfig, num_dense: int, num_tables: int, dim: int):
+        super().__init__(config, num_dense, num_tables, dim)
         vectors = num_tables + 1
         self.register_buffer("_pairs", torch.triu_indices(vectors, vectors, offset=1), persistent=False)
         self.top = _mlp([dim + vectors * (vectors - 1) // 2, *config.top_mlp], final_activation=False)
@@ -96,21 +104,13 @@ class CrossLayer(nn.Module):
         return x0 * self.project(x) + x
 
 
-class DCNv2(nn.Module):
-    """DCNv2's dense part (MLPerf DLRM-DCNv2 layout), returning one logit per sample.
-
-    Args:
-        config: MLP widths, cross layers and their rank (the top MLP must end in 1).
-        num_dense: dense input features.
-        num_tables: pooled embeddings per sample.
-        dim: embedding dimension.
-    """
+class DCNv2(_DenseModel):
+    """DCNv2 (MLPerf DLRM-DCNv2 layout): cross layers over the bottom output and the pooled
+    embeddings, then the top MLP."""
 
     def __init__(self, config: ModelConfig, num_dense: int, num_tables: int, dim: int):
-        super().__init__()
-        _check_widths(config, dim)
+        super().__init__(config, num_dense, num_tables, dim)
         width = (num_tables + 1) * dim
-        self.bottom = _mlp([num_dense, *config.bottom_mlp], final_activation=True)
         self.cross = nn.ModuleList(CrossLayer(width, config.cross_rank) for _ in range(config.cross_layers))
         self.top = _mlp([width, *config.top_mlp], final_activation=False)
 
