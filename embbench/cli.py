@@ -69,10 +69,15 @@ def _run_directory(path: Path) -> Path:
     return path
 
 
+def _default_run_dir(path: str, scenario) -> Path:
+    """``results/runs/<scenario file>-<hash of the effective scenario>``."""
+    return Path("results") / "runs" / f"{Path(path).stem}-{scenario.digest()[:10]}"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
     scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=strategies)
-    out = Path(args.out) if args.out else Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
+    out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
     if not args.dry_run:
         _run_directory(out)  # before any data is converted into it
     _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
@@ -211,8 +216,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     import time
 
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
-    out = Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
-    cache = Path(args.data_cache) if args.data_cache else out / "data-cache"
+    cache = Path(args.data_cache) if args.data_cache else _default_run_dir(args.scenario, scenario) / "data-cache"
     if scenario.data.source == "synthetic":
         console.print(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare")
         return 0

@@ -273,3 +273,16 @@ def test_multi_hot_bags_and_dcnv2_train_every_cpu_placement_like_device(tmp_path
     assert math.isfinite(metrics["accuracy"]["logloss"])
     for a, b in zip(reference, flushed):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_evaluation_files_are_never_counted(tmp_path):
+    train = write_fake_criteo(tmp_path / "day_0", 300, seed=1, cardinality=40)
+    held_out = write_fake_criteo(tmp_path / "day_1", 200, seed=2, cardinality=40)  # other ids
+    ds = prepare_dataset([train], tmp_path / "cache", [held_out], None, min_count=1)
+    assert ds.rows(Stream.TRAIN) == 300 and ds.rows(Stream.EVAL) == 200
+    _, _, train_ids = _reference_rows(train)
+    _, _, eval_ids = _reference_rows(held_out)
+    assert ds.cardinalities == [len(np.unique(c[c >= 0])) + FIRST_ID_ROW for c in train_ids.T]
+    evaluated = np.load(ds.eval[0].ids_path)
+    unseen = (eval_ids >= 0) & ~np.stack([np.isin(e, t) for e, t in zip(eval_ids.T, train_ids.T)], 1)
+    assert unseen.any() and (evaluated[unseen] == RARE_ROW).all()
