@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import typing
 from pathlib import Path
 
@@ -136,8 +137,6 @@ def _conversion_progress() -> Progress:
 
 def _progress_callback(progress: Progress):
     """An ``on_progress`` for the Criteo converter: one bar per file, bytes read and rows/s."""
-    import time
-
     tasks: dict[str, tuple] = {}
 
     def on_progress(name: str, done: int, total: int, rows: int) -> None:
@@ -175,11 +174,9 @@ def _stats_table(title: str, stats: list, caption: str) -> Table:
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
-    import tempfile
-
     import numpy as np
 
-    from embbench.data.criteo import convert_file, id_counts, input_files
+    from embbench.data.criteo import NUM_TABLES, convert_file, id_counts, input_files
     from embbench.data.stats import table_stats
     from embbench.data.synthetic import Stream
 
@@ -196,7 +193,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
             f"of {', '.join(f'{n:,}' for n in trace.num_rows)} rows; bag sizes {trace.bag_sizes()}; labels and dense "
             f"features {features}. Statistics of the training stream."))
         return 0
-    hash_sizes = [args.hash_size] * 26 if args.hash_size else None
+    hash_sizes = [args.hash_size] * NUM_TABLES if args.hash_size else None
     with tempfile.TemporaryDirectory(prefix="embbench-check-") as tmp:
         cache = Path(args.data_cache) if args.data_cache else Path(tmp)
         with _conversion_progress() as progress:
@@ -213,8 +210,6 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    import time
-
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     cache = Path(args.data_cache) if args.data_cache else _default_run_dir(args.scenario, scenario) / "data-cache"
     if scenario.data.source == "synthetic":
@@ -229,8 +224,6 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_record(args: argparse.Namespace) -> int:
-    import torch
-
     from embbench.data.sources import batches_needed
     from embbench.data.trace import record_trace
 
@@ -314,16 +307,17 @@ def cmd_project(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(kind: type):
-    """An argparse type: a number of ``kind`` above zero (argparse names the flag)."""
+def _positive(kind: type, zero: bool = False):
+    """An argparse type: a number of ``kind`` above zero, or at least zero with ``zero``
+    (argparse names the flag)."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        if not (value >= 0 if zero else value > 0):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {'at least' if zero else 'above'} 0, got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -355,23 +349,23 @@ def _add_data_commands(sub) -> None:
     check = data_sub.add_parser("check", help="validate Criteo TSV files or a trace; print rows, cardinalities, skew")
     check.add_argument("path", help="a file, a glob, or a directory of day_N files (plain or .gz); or a trace .npz")
     check.add_argument("--format", choices=["kaggle", "terabyte"], default="kaggle", help="how a directory is read")
-    check.add_argument("--hash-size", type=int, help="count ids modulo this, as data.hash_size does")
+    check.add_argument("--hash-size", type=_positive(int), help="count ids modulo this, as data.hash_size does")
     check.add_argument("--data-cache", help="keep the parsed files in this folder (default: a temporary one)")
     check.set_defaults(func=cmd_data_check)
     prepare = data_sub.add_parser("prepare", help="build a scenario's data cache ahead of `embbench run`")
     prepare.add_argument("scenario", help="scenario YAML file")
     prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: the run directory's)")
-    prepare.add_argument("--scale", type=float, help="as `run --scale` (synthetic data only)")
+    prepare.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
     trace = sub.add_parser("trace", help="record the id stream a scenario produces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
     record = trace_sub.add_parser("record", help="write a scenario's training and evaluation id streams to a .npz trace")
     record.add_argument("scenario", help="scenario YAML file")
     record.add_argument("--out", required=True, help="the trace file (.npz)")
-    record.add_argument("--train-batches", type=int, help="training batches (default: what a run of the scenario reads)")
-    record.add_argument("--eval-batches", type=int, help="evaluation batches (default: run.eval_batches)")
+    record.add_argument("--train-batches", type=_positive(int), help="training batches (default: what a run of the scenario reads)")
+    record.add_argument("--eval-batches", type=_positive(int, zero=True), help="evaluation batches (default: run.eval_batches)")
     record.add_argument("--features", action="store_true", help="also record labels and dense features")
-    record.add_argument("--scale", type=float, help="as `run --scale` (synthetic data only)")
+    record.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
 

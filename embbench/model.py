@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from torch import Tensor, nn
 
 __all__ = ["ModelConfig", "DCNv2", "DLRM", "build_model"]
@@ -26,7 +26,8 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    arch: Literal["dlrm", "dcnv2"] = "dlrm"
+    # Records written before DCNv2 say ``type: dlrm``: still read, so `embbench project` reads them.
+    arch: Literal["dlrm", "dcnv2"] = Field("dlrm", validation_alias=AliasChoices("arch", "type"))
     bottom_mlp: list[PositiveInt] = Field(default_factory=lambda: [64, 16], min_length=1)
     top_mlp: list[PositiveInt] = Field(default_factory=lambda: [64, 1], min_length=1)
     cross_layers: int = Field(3, ge=1, description="dcnv2: cross layers")

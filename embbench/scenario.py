@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from embbench.data.criteo import NUM_TABLES
 from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
@@ -37,8 +38,10 @@ class _Strict(BaseModel):
 
 
 class DriftConfig(_Strict):
-    every: int = Field(gt=0, description="training batches between two rotations of the hot set")
-    fraction: float = Field(gt=0, le=1, description="share of the hot ids replaced at each rotation")
+    """Popularity drift of the synthetic data (the generator's ``drift_every``, ``drift_fraction``)."""
+
+    every: int = Field(gt=0, description="batches between two changes of which ids are hot")
+    fraction: float = Field(gt=0, le=1, description="share of each table's hot ids that change at each")
 
 
 # The keys that belong to one data source only (the others must be left out).
@@ -47,6 +50,11 @@ _SOURCE_KEYS = {
     "criteo_tsv": {"path", "format", "eval", "hash_size", "min_count", "epochs"},
     "trace": {"path", "epochs"},
 }
+
+def _key_error(key: str, message: str) -> PydanticCustomError:
+    """An error of one key of a model, raised from a validator of the whole model (pydantic
+    would name only the model); :func:`_format` appends the key to the path."""
+    return PydanticCustomError("scenario_key", "{message}", {"key": key, "message": message})
 
 
 class DataConfig(_Strict):
@@ -59,7 +67,7 @@ class DataConfig(_Strict):
     preset: str = Field("criteo_kaggle", description=f"one of {', '.join(PRESETS)}")
     scale: float = Field(1.0, gt=0, le=1, description="multiplies every table's cardinality")
     alpha: float | list[float] = Field(1.15, description="Zipf exponent of id popularity, or one per table")
-    drift: DriftConfig | None = Field(None, description="rotate the hot set every N training batches")
+    drift: DriftConfig | None = Field(None, description="which ids are hot changes every N batches")
     # criteo_tsv and trace
     path: str | None = Field(None, description="a file, a glob, or a directory of day_N files (plain or .gz); a trace .npz")
     format: Literal["kaggle", "terabyte"] = "kaggle"
@@ -72,38 +80,40 @@ class DataConfig(_Strict):
     @classmethod
     def _known_preset(cls, value: str) -> str:
         if value in RENAMED_PRESETS:
-            raise PydanticCustomError("renamed", f"preset {value!r} was renamed: use {RENAMED_PRESETS[value]}")
+            raise ValueError(f"preset {value!r} was renamed: use {RENAMED_PRESETS[value]}")
         if value not in PRESETS:
-            raise PydanticCustomError("unknown", f"unknown preset {value!r}; known: {', '.join(PRESETS)}")
+            raise ValueError(f"unknown preset {value!r}; known: {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("alpha", "hash_size")
+    @classmethod
+    def _per_table(cls, value, info):
+        low = {"alpha": 0, "hash_size": 1}[info.field_name]
+        items = value if isinstance(value, list) else [] if value is None else [value]
+        if isinstance(value, list) and len(value) != NUM_TABLES:
+            raise ValueError(f"a list needs one value per table ({NUM_TABLES}), got {len(value)}")
+        if any(not v >= low for v in items):  # also refuses nan
+            raise ValueError(f"values must be >= {low}, got {value}")
+        return value
+
+    @field_validator("eval")
+    @classmethod
+    def _fraction_or_files(cls, value: float | str) -> float | str:
+        if isinstance(value, float) and not 0 < value < 1:
+            raise ValueError(f"a fraction must be in (0, 1), got {value}")
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "DataConfig":
-        def fail(key: str, message: str):
-            raise PydanticCustomError("data", f"{key}: {message}")
-
         # Compared with the defaults, not the keys given: a scenario passed on to the cells'
         # processes is written out with every key.
         foreign = {k for keys in _SOURCE_KEYS.values() for k in keys} - _SOURCE_KEYS[self.source]
         for key in sorted(k for k in foreign if getattr(self, k) != type(self).model_fields[k].default):
             owners = [s for s, keys in _SOURCE_KEYS.items() if key in keys]
             hint = " (--scale)" if key == "scale" else ""
-            fail(key, f"only for source {' or '.join(owners)}, this data's source is {self.source}{hint}")
+            raise _key_error(key, f"only for source {' or '.join(owners)}, this data's source is {self.source}{hint}")
         if self.source != "synthetic" and not self.path:
-            fail("path", f"source {self.source} needs a path")
-        for key, values, low in (("alpha", self.alpha, 0), ("hash_size", self.hash_size, 1)):
-            items = values if isinstance(values, list) else [values] if values is not None else []
-            if isinstance(values, list) and len(values) != 26:
-                fail(key, f"a list needs one value per table (26), got {len(values)}")
-            if any(v < low for v in items):
-                fail(key, f"values must be >= {low}")
-        if isinstance(self.eval, float) and not 0 < self.eval < 1:
-            fail("eval", f"a fraction must be in (0, 1), got {self.eval}")
-        if self.drift is not None:
-            from embbench.data.sources import drift_supported
-
-            if not drift_supported():
-                fail("drift", "unsupported: this version's synthetic generator has no hot-set rotation yet")
+            raise _key_error("path", f"source {self.source} needs a path")
         return self
 
 
@@ -218,10 +228,16 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+# The member of a union pydantic tried, which it puts in an error's path ("data.alpha.float").
+_UNION_TAGS = ("int", "float", "str", "bool", "list[int]", "list[float]", "literal['auto']")
+
+
 def _format(errors: list[dict], file: str, prefix: str = "") -> str:
     lines = []
     for e in errors:
-        key = _loc(tuple(p for p in e["loc"] if p not in ("int", "list[int]", "bool", "literal['auto']")))
+        key = _loc(tuple(p for p in e["loc"] if p not in _UNION_TAGS))
+        if e["type"] == "scenario_key":
+            key = f"{key}.{e['ctx']['key']}"
         key = f"{prefix}.{key}" if prefix and key else (prefix or key)
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         lines.append(f"{file}: {key}: {msg}" if key else f"{file}: {msg}")
@@ -265,7 +281,8 @@ def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[C
     except ValidationError as e:
         raise ScenarioError(_format(e.errors(), file)) from None
     if scenario.model.bottom_mlp[-1] != scenario.data.embedding_dim:
-        # The interaction takes dot products of the bottom MLP's output with every pooled embedding.
+        # DLRM takes dot products of the bottom MLP's output with every pooled embedding; DCNv2
+        # crosses them as equal-width parts of one vector (as MLPerf's does).
         raise ScenarioError(f"{file}: model.bottom_mlp: must end in data.embedding_dim "
                             f"{scenario.data.embedding_dim}, got {scenario.model.bottom_mlp}")
     names = [s.name for s in scenario.strategies]

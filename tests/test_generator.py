@@ -108,7 +108,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # on CUDA: 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset,scale,batch_size", [
     ("criteo_kaggle", 0.001, 512),    # a group with tails and one without
-    ("criteo_1tb", 0.0005, 77),       # a batch size no vector width divides
+    ("criteo_1tb_freq3", 0.0005, 77), # a batch size no vector width divides
     ("mlperf_dcnv2", 0.0001, 64),     # many bag sizes: many groups
 ])
 def test_batches_are_those_of_the_per_table_generator(preset, scale, batch_size, device):

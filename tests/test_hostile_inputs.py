@@ -136,7 +136,23 @@ def test_a_duplicate_key_is_named_with_its_line(tmp_path, text, expected):
     ({"model": {"top_mlp": [16, 2]}}, "model.top_mlp: must end in 1 (one logit per sample), got [16, 2]"),
     ({"model": {"bottom_mlp": [-16, 8]}}, "model.bottom_mlp[0]: Input should be greater than 0"),
     ({"model": {"top_mlp": [0, 1]}}, "model.top_mlp[0]: Input should be greater than 0"),
-], ids=["world-0", "world-negative", "world-empty", "bottom-mlp-dim", "top-mlp-logit", "negative-width", "zero-width"])
+    ({"model": {"arch": "dcn"}}, "model.arch: Input should be 'dlrm' or 'dcnv2'"),
+    ({"model": {"cross_layers": 0}}, "model.cross_layers: Input should be greater than or equal to 1"),
+    ({"data": {"alpha": -0.5}}, "data.alpha: values must be >= 0, got -0.5"),
+    ({"data": {"alpha": "steep"}}, "data.alpha: Input should be a valid number"),
+    ({"data": {"drift": {"every": 0, "fraction": 0.1}}}, "data.drift.every: Input should be greater than 0"),
+    ({"data": {"drift": {"every": 5, "fraction": 1.5}}}, "data.drift.fraction: Input should be less than or equal to 1"),
+    ({"data": {"drift": {"every": 5}}}, "data.drift.fraction: Field required"),
+    ({"data": {"source": "trace"}}, "data.scale: only for source synthetic, this data's source is trace (--scale)"),
+    ({"data": {"source": "trace", "preset": "criteo_kaggle", "scale": 1.0}}, "data.path: source trace needs a path"),
+    ({"data": {"hash_size": 1000}}, "data.hash_size: only for source criteo_tsv, this data's source is synthetic"),
+    ({"data": {"source": "criteo_tsv", "path": "x", "scale": 1.0, "hash_size": 0}}, "data.hash_size: values must be >= 1"),
+    ({"data": {"source": "criteo_tsv", "path": "x", "scale": 1.0, "eval": 1.5}}, "data.eval: a fraction must be in (0, 1)"),
+    ({"data": {"preset": "criteo_1tb"}}, "data.preset: preset 'criteo_1tb' was renamed: use criteo_1tb_freq3"),
+], ids=["world-0", "world-negative", "world-empty", "bottom-mlp-dim", "top-mlp-logit", "negative-width", "zero-width",
+        "arch", "cross-layers-0", "alpha-negative", "alpha-word", "drift-every-0", "drift-fraction-above-1",
+        "drift-no-fraction", "foreign-key", "trace-no-path", "hash-size-synthetic", "hash-size-0", "eval-fraction",
+        "renamed-preset"])
 def test_bad_values_are_refused_before_anything_runs(overrides, expected):
     with pytest.raises(ScenarioError) as err:
         parse_scenario(tiny_scenario(**overrides), "bad.yaml")
@@ -161,7 +177,12 @@ def test_an_override_into_a_section_that_is_not_a_mapping_names_the_section(tmp_
     (["project", "RUN", "--links", "nvlink"], "--links", "'nvlink': expected name=GB/s"),
     (["run", "S", "--steps", "0"], "--steps", "must be above 0, got 0"),
     (["run", "S", "--scale", "nan"], "--scale", "must be above 0, got nan"),
-], ids=["worlds-0", "worlds-negative", "worlds-word", "links-zero", "links-malformed", "steps-0", "scale-nan"])
+    (["data", "check", "P", "--hash-size", "0"], "--hash-size", "must be above 0, got 0"),
+    (["data", "prepare", "S", "--scale", "-1"], "--scale", "must be above 0, got -1"),
+    (["trace", "record", "S", "--out", "t.npz", "--train-batches", "0"], "--train-batches", "must be above 0, got 0"),
+    (["trace", "record", "S", "--out", "t.npz", "--eval-batches", "-1"], "--eval-batches", "must be at least 0, got -1"),
+], ids=["worlds-0", "worlds-negative", "worlds-word", "links-zero", "links-malformed", "steps-0", "scale-nan",
+        "hash-size-0", "prepare-scale", "train-batches-0", "eval-batches-negative"])
 def test_bad_flags_are_named(capsys, argv, flag, expected):
     with pytest.raises(SystemExit) as exit_:
         main(argv)

@@ -16,7 +16,7 @@ from embbench.data.criteo import (FIRST_ID_ROW, MISSING_ROW, RARE_ROW, CriteoSou
                                   input_files, prepare_dataset)
 from embbench.data.fake_criteo import write_fake_criteo
 from embbench.data.presets import make_tables
-from embbench.data.sources import CACHE_ENV, DataSizeError, drift_supported
+from embbench.data.sources import CACHE_ENV, DataSizeError
 from embbench.data.synthetic import Stream, SyntheticCriteo
 from embbench.data.trace import Trace, TraceError, TraceSource, record_trace
 from embbench.model import CrossLayer, DCNv2, ModelConfig, build_model
@@ -226,37 +226,39 @@ def test_dcnv2_cross_layers_follow_the_formula():
     assert isinstance(full.project, torch.nn.Linear)
 
 
+def test_a_record_written_before_dcnv2_still_parses():
+    scenario, _ = parse_scenario(tiny_scenario(model={"type": "dlrm", "bottom_mlp": [16, 8], "top_mlp": [16, 1]}))
+    assert scenario.model.arch == "dlrm" and "type" not in scenario.model.model_dump()
+
+
 def test_data_keys_belong_to_their_source():
     raw = tiny_scenario(data={"source": "criteo_tsv", "path": "x.tsv", "alpha": 0.9})
     raw["data"].pop("preset", None), raw["data"].pop("scale")
-    with pytest.raises(ScenarioError, match="data: alpha: only for source synthetic, this data's source is criteo_tsv"):
+    with pytest.raises(ScenarioError, match="data.alpha: only for source synthetic, this data's source is criteo_tsv"):
         parse_scenario(raw, "s.yaml")
     with pytest.raises(ScenarioError, match="data.preset: preset 'criteo_1tb' was renamed: use criteo_1tb_freq3"):
         parse_scenario(tiny_scenario(data={"preset": "criteo_1tb"}), "s.yaml")
-    with pytest.raises(ScenarioError, match="alpha: a list needs one value per table \\(26\\), got 2"):
+    with pytest.raises(ScenarioError, match="data.alpha: a list needs one value per table \\(26\\), got 2"):
         parse_scenario(tiny_scenario(data={"alpha": [1.0, 1.1]}), "s.yaml")
     scenario, _ = parse_scenario(tiny_scenario(data={"alpha": [0.9 + t / 100 for t in range(26)]}))
     assert [t.alpha for t in scenario.tables()][:2] == [0.9, 0.91]
 
 
-@pytest.mark.skipif(not drift_supported(), reason="the synthetic generator has no drift yet (h11's drift_every)")
-def test_drift_rotates_the_hot_ids_every_n_batches():
+def test_the_drift_key_is_the_generators_drift():
     raw = tiny_scenario(data={"scale": 0.002}, run={"seed": 3})
     steady = parse_scenario(raw)[0].data_source("cpu")
     raw["data"]["drift"] = {"every": 4, "fraction": 0.5}
-    drifting = parse_scenario(raw)[0].data_source("cpu")
-    for index in range(4):  # the first epoch is the undrifted stream
-        assert torch.equal(steady.batch(Stream.TRAIN, index, 256).sparse.values,
-                           drifting.batch(Stream.TRAIN, index, 256).sparse.values)
-    later = [drifting.batch(Stream.TRAIN, i, 256).sparse.values for i in (4, 40)]
-    assert not torch.equal(steady.batch(Stream.TRAIN, 4, 256).sparse.values, later[0])
-    assert not torch.equal(steady.batch(Stream.TRAIN, 40, 256).sparse.values, later[1])
-
-
-@pytest.mark.skipif(drift_supported(), reason="the synthetic generator drifts")
-def test_drift_without_a_drifting_generator_is_refused_by_name():
-    with pytest.raises(ScenarioError, match="data: drift: unsupported"):
-        parse_scenario(tiny_scenario(data={"drift": {"every": 4, "fraction": 0.5}}), "s.yaml")
+    scenario, _ = parse_scenario(raw)
+    drifting = scenario.data_source("cpu")
+    reference = SyntheticCriteo(scenario.tables(), 3, "cpu", drift_every=4, drift_fraction=0.5)
+    for index in (0, 3, 4, 40):
+        assert torch.equal(drifting.batch(Stream.TRAIN, index, 256).sparse.values,
+                           reference.batch(Stream.TRAIN, index, 256).sparse.values)
+    # the first N batches are the steady stream's; later ones are not
+    assert torch.equal(steady.batch(Stream.TRAIN, 3, 256).sparse.values, drifting.batch(Stream.TRAIN, 3, 256).sparse.values)
+    for index in (4, 40):
+        assert not torch.equal(steady.batch(Stream.TRAIN, index, 256).sparse.values,
+                               drifting.batch(Stream.TRAIN, index, 256).sparse.values)
 
 
 @pytest.mark.parametrize("strategy, params", [

@@ -7,7 +7,6 @@ the cache (:mod:`embbench.data.criteo`); ``trace`` replays a recorded id stream
 
 from __future__ import annotations
 
-import inspect
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
     from embbench.scenario import DataConfig, RunConfig
 
 __all__ = ["CACHE_ENV", "DataSizeError", "batches_needed", "check_rows", "criteo_dataset", "data_cache_dir",
-           "drift_supported", "load_trace", "open_source", "source_tables"]
+           "load_trace", "open_source", "source_tables"]
 
 #: The environment variable that carries ``--data-cache`` to the cells' processes.
 CACHE_ENV = "EMBBENCH_DATA_CACHE"
@@ -38,11 +37,6 @@ def data_cache_dir() -> Path:
     """Where parsed files live: ``$EMBBENCH_DATA_CACHE`` (``embbench run`` sets it to
     ``--data-cache`` or the run directory's ``data-cache``), else ``results/data-cache``."""
     return Path(os.environ.get(CACHE_ENV) or Path("results") / "data-cache")
-
-
-def drift_supported() -> bool:
-    """Whether this version's synthetic generator can rotate its hot set."""
-    return "drift_every" in inspect.signature(SyntheticCriteo).parameters
 
 
 def hash_sizes(data: "DataConfig") -> list[int] | None:
