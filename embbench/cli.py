@@ -1,8 +1,11 @@
-"""``embbench run | strategies | show | project``."""
+"""``embbench run | strategies | show | compare | report | recommend | project``."""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
+import json
 import signal
 import sys
 import tempfile
@@ -151,12 +154,76 @@ def _skip_damaged(error: RecordError) -> None:
     print(f"warning: {error}; skipped", file=sys.stderr)
 
 
+def _csv_columns(rows: list[dict]) -> list[str]:
+    """Every column any cell has: in the order of the fullest row, parameters after the message."""
+    keys = list(dict.fromkeys(k for row in sorted(rows, key=len, reverse=True) for k in row))
+    params = [k for k in keys if k.startswith("param.")]
+    rest = [k for k in keys if not k.startswith("param.")]
+    at = rest.index("message") + 1
+    return rest[:at] + params + rest[at:]
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     records = load_records(Path(args.results), on_damaged=_skip_damaged)
     if not records:
         raise RecordError(f"{args.results}: no usable records")
+    if args.csv or args.json:
+        from embbench.columns import flat_rows
+
+        rows = flat_rows(records)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            columns = _csv_columns(rows)
+            writer = csv.DictWriter(sys.stdout, columns, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()} for row in rows)
+        return 0
     print_comparison(records, console, title=str(args.results))
     return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from embbench.compare import load_runs
+    from embbench.recommend import Budget, parse_size, recommend
+    from embbench.report import print_recommendations
+
+    budget = Budget(parse_size(args.device_memory, "--device-memory"),
+                    parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
+    if args.auc_tolerance < 0:
+        raise ValueError(f"--auc-tolerance {args.auc_tolerance}: must be 0 or more")
+    records = load_runs([args.run])[0].records
+    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in recs], indent=2))
+    else:
+        print_recommendations(recs, budget, args.run, console)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from embbench.compare import ALPHA, TEST, compare_runs, load_runs, parse_percent, regressions, to_json
+    from embbench.report import print_deltas
+
+    threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
+    runs = load_runs(args.runs)
+    pairs = compare_runs(runs, ALPHA)
+    failures = []
+    for run, cells in pairs:
+        if threshold is not None and not any(c.comparable for c in cells):
+            raise ValueError(f"{run.label}: no cell is comparable with {runs[0].label}, so --fail-on cannot check anything")
+        prefix = f"{run.label}: " if len(pairs) > 1 else ""
+        failures += [prefix + why for why in (regressions(cells, threshold) if threshold is not None else [])]
+    if args.json:
+        print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures), indent=2))
+    else:
+        for run, cells in pairs:
+            print_deltas(cells, runs[0].label, run.label, TEST, console)
+        if threshold is not None:
+            verdict = "\n".join(f"  {why}" for why in failures)
+            console.print(f"[red]regression beyond {args.fail_on}:[/red]\n{escape(verdict)}" if failures
+                          else f"[green]no significant throughput drop beyond {args.fail_on}[/green]")
+    return 1 if failures else 0
 
 
 def cmd_project(args: argparse.Namespace) -> int:
@@ -236,7 +303,23 @@ def build_parser() -> argparse.ArgumentParser:
     strategies.set_defaults(func=cmd_strategies)
     show = sub.add_parser("show", help="print the comparison table of a (partial) run")
     show.add_argument("results", help="a run directory or one record file")
+    export = show.add_mutually_exclusive_group()
+    export.add_argument("--csv", action="store_true", help="one row per cell, flat columns, for spreadsheets")
+    export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")
     show.set_defaults(func=cmd_show)
+    rec = sub.add_parser("recommend", help="the fastest measured placement that fits a memory budget, and why not the others")
+    rec.add_argument("run", help="a run directory")
+    rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")
+    rec.add_argument("--host-memory", metavar="SIZE", help="per host (all ranks together)")
+    rec.add_argument("--auc-tolerance", type=float, default=0.001,
+                     help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
+    rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    rec.set_defaults(func=cmd_recommend)
+    comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
+    comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")
+    comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput drops significantly by more than PCT (e.g. 5%%) or a cell fails")
+    comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    comp.set_defaults(func=cmd_compare)
     proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
     proj.add_argument("results", help="a run directory or one record file")
     proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")
