@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
                              run_cells_in_job)
-from embbench.report import print_comparison
+from embbench.progress import RunProgress
+from embbench.report import print_comparison, profile_tables
 from embbench.results import RecordError, load_records
 from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
@@ -77,11 +77,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         _dry_run(scenario, cells)
         return 0
+    if args.profile and launched_by_torchrun():
+        raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
     out = Path(args.out) if args.out else Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
     _run_directory(out)
     console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
+    shown = RunProgress(console, len(cells), live=console.is_terminal and not args.quiet, lines=not args.quiet)
     try:
-        records = _run_with_progress(args, scenario, cells, out)
+        with shown:
+            records = _run_shown(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
         print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
         return 130
@@ -92,33 +96,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not records:
         return 0  # a torchrun rank other than 0: rank 0 prints
     print_comparison(records, console, title=scenario.name)
-    console.print(f"records: {out}")
+    if args.profile:
+        for table in profile_tables(records):
+            console.print(table)
+    console.print(escape(shown.summary()))
+    console.print(f"records: {escape(str(out))}")
     return 0
 
 
-def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path) -> list:
-    """Run the cells under a progress bar, a line per finished cell."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("starting", total=len(cells))
+def _run_shown(args: argparse.Namespace, scenario, cells, out: Path, shown: RunProgress) -> list:
+    """Run the cells, ``shown`` following them (phase, step k of n, ETA; a line per finished cell)."""
 
-        def on_start(cell):
-            progress.update(task, description=f"running {escape(cell.id)}")
+    def on_notice(message):
+        console.print(f"  [yellow]note[/yellow]: {escape(message)}")
 
-        def on_done(cell, record):
-            progress.advance(task)
-            style = "green" if record.status == "ok" else "yellow" if record.status == "unsupported" else "red"
-            first_line = (record.message or "").splitlines()[0] if record.message else ""
-            console.print(f"  [{style}]{record.status:>11}[/{style}]  {escape(cell.id)}  [dim]{escape(first_line)}[/dim]")
-
-        def on_notice(message):
-            console.print(f"  [yellow]note[/yellow]: {escape(message)}")
-
-        if launched_by_torchrun():
-            return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
-                                    on_start=on_start, on_done=on_done)
-        return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=on_start,
-                         on_done=on_done, on_notice=on_notice, force=args.force)
+    if launched_by_torchrun():
+        return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
+                                on_start=shown.on_start, on_done=shown.on_done)
+    return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=shown.on_start,
+                     on_done=shown.on_done, on_progress=shown.on_progress, on_notice=on_notice, force=args.force,
+                     profile_dir=out / "profiles" if args.profile else None)
 
 
 def _type_name(annotation) -> str:
@@ -155,11 +152,12 @@ def _skip_damaged(error: RecordError) -> None:
 
 
 def _csv_columns(rows: list[dict]) -> list[str]:
-    """Every column any cell has: in the order of the fullest row, parameters after the message."""
+    """Every column any cell has: in the order of the fullest row, the parameters after the
+    cell's identity and status."""
     keys = list(dict.fromkeys(k for row in sorted(rows, key=len, reverse=True) for k in row))
     params = [k for k in keys if k.startswith("param.")]
     rest = [k for k in keys if not k.startswith("param.")]
-    at = rest.index("message") + 1
+    at = rest.index("semantics") + 1
     return rest[:at] + params + rest[at:]
 
 
@@ -180,6 +178,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()} for row in rows)
         return 0
     print_comparison(records, console, title=str(args.results))
+    for table in profile_tables(records):
+        console.print(table)
     return 0
 
 
@@ -224,6 +224,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
             console.print(f"[red]regression beyond {args.fail_on}:[/red]\n{escape(verdict)}" if failures
                           else f"[green]no significant throughput drop beyond {args.fail_on}[/green]")
     return 1 if failures else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from embbench.compare import load_runs
+    from embbench.html_report import check_writable, write_report
+
+    out = Path(args.out)
+    check_writable(out)  # before the work, not after it
+    runs = load_runs(args.runs)
+    write_report(runs, out)
+    console.print(f"report: {escape(str(out))} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)")
+    return 0
 
 
 def cmd_project(args: argparse.Namespace) -> int:
@@ -298,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")
+    run.add_argument("--quiet", action="store_true", help="no live progress and no line per cell; the table and a summary only")
+    run.add_argument("--profile", action="store_true",
+                     help="a torch.profiler Chrome trace per cell (untimed extra steps) in <run dir>/profiles/, "
+                          "top operators in the record")
     run.set_defaults(func=cmd_run)
     strategies = sub.add_parser("strategies", help="list installed strategies, their parameters, and whether they run here")
     strategies.set_defaults(func=cmd_strategies)
@@ -320,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput drops significantly by more than PCT (e.g. 5%%) or a cell fails")
     comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     comp.set_defaults(func=cmd_compare)
+    rep = sub.add_parser("report", help="one self-contained HTML file: the tables and plots of one or more runs")
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories; with several, the first is the baseline of the comparison")
+    rep.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    rep.set_defaults(func=cmd_report)
     proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
     proj.add_argument("results", help="a run directory or one record file")
     proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")

@@ -42,6 +42,7 @@ def flat_row(record: Record) -> dict[str, Any]:
         "world_size": record.world_size,
         "status": record.status,
         "message": record.message,
+        "semantics": record.semantics,
         **{f"param.{k}": v for k, v in sorted(record.params.items())},
     }
     m = record.metrics
@@ -79,7 +80,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             "max_weight_diff_vs_baseline": m.get("max_weight_diff_vs_baseline"),
             "build_seconds": m.get("build_seconds"),
             "generator_samples_per_s": m.get("generator_samples_per_s"),
-            **{k: m[k] for k in ("semantics", "ops_per_step", "host_syncs_per_step", "warmup_steps_run") if k in m},
+            **{k: m[k] for k in ("ops_per_step", "host_syncs_per_step", "warmup_steps_run", "weights_not_compared") if k in m},
             **{f"per_step.{k}": v for k, v in sorted((get(m, "counters", "per_step") or {}).items())},
             "throughput_per_repeat": rate["per_repeat"],
             "step_time_samples": step["samples"],

@@ -12,7 +12,8 @@ from embbench.compare import METRICS, CellComparison, Delta, Significance
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
 
-__all__ = ["comparison_table", "delta_table", "print_comparison", "print_deltas", "print_recommendations"]
+__all__ = ["comparison_table", "delta_table", "print_comparison", "print_deltas", "print_recommendations",
+           "profile_tables"]
 
 _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
@@ -148,7 +149,7 @@ def _status_change(cell: CellComparison, before: str, after: str) -> Text:
 def delta_table(cells: list[CellComparison], test: str, title: str = "B against A") -> Table:
     """One row per cell id: run B (the candidate) against run A (the baseline), signed
     relative deltas coloured green where better and red where worse."""
-    table = Table(title=title, header_style="bold",
+    table = Table(title=Text(title, style="bold"), header_style="bold",
                   caption=f"relative change of the candidate; green better, red worse; significant: {test}")
     table.add_column("cell", no_wrap=True)
     table.add_column("status")
@@ -165,7 +166,7 @@ def delta_table(cells: list[CellComparison], test: str, title: str = "B against 
 
 def print_deltas(cells: list[CellComparison], before: str, after: str, test: str, console: Console) -> None:
     """The delta table, then why cells are not comparable (each distinct reason once)."""
-    console.print(f"A = {before}\nB = {after}")
+    console.print(Text(f"A = {before}\nB = {after}"))
     console.print(delta_table(cells, test))
     reasons: dict[str, list[str]] = {}
     for cell in cells:
@@ -180,8 +181,8 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
     """The answer of ``embbench recommend``: per world size the fastest cell that fits, the
     runners-up, what was left out and why, and the cells worth running."""
     host = format_bytes(budget.host_bytes) if budget.host_bytes is not None else "not limited"
-    console.print(f"budget: {format_bytes(budget.device_bytes)} device memory per rank, host memory {host}; "
-                  f"from the records in {source} (measured only)")
+    console.print(Text(f"budget: {format_bytes(budget.device_bytes)} device memory per rank, host memory {host}; "
+                       f"from the records in {source} (measured only)"))
     for rec in recs:
         console.print(Text(f"\n{rec.world_size} rank(s)", style="bold"))
         if rec.best:
@@ -212,3 +213,29 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
                                f"(an estimate: {s.basis})\n  to measure it: {s.command}", style="yellow"))
         for note in rec.notes:
             console.print(Text(f"note: {note}", style="dim"))
+
+
+def profile_tables(records: list[Record], top: int = 10) -> list[Table]:
+    """The top operators of each profiled cell (``run --profile``), by self time per step on
+    the device (CUDA) and on the host."""
+    tables = []
+    for r in records:
+        profile = _get(r.metrics, "profile")
+        if not profile:
+            continue
+        for key, where in (("top_device", "device"), ("top_host", "host")):
+            rows = profile.get(key) or []
+            if not rows:
+                continue
+            table = Table(title=Text(f"{r.cell_id}: top operators by self {where} time", style="bold"), title_justify="left",
+                          header_style="bold",
+                          caption=Text(f"per step, over {profile.get('steps', '?')} untimed steps; "
+                                       f"trace: profiles/{profile.get('trace', '?')}"))
+            on_device = any(op["self_device_us"] for op in rows)  # a CPU run has no device times
+            for col in ["operator", "calls", "self host µs"] + (["self device µs"] if on_device else []):
+                table.add_column(col, justify="left" if col == "operator" else "right")
+            for op in rows[:top]:
+                table.add_row(Text(op["op"]), f"{op['calls']:,.1f}", f"{op['self_cpu_us']:,.1f}",
+                              *([f"{op['self_device_us']:,.1f}"] if on_device else []))
+            tables.append(table)
+    return tables
