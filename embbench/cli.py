@@ -19,6 +19,7 @@ from rich.table import Table
 
 from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
                              run_cells_in_job)
+from embbench.optional import MissingDependency, require
 from embbench.progress import RunProgress
 from embbench.report import print_comparison, profile_tables
 from embbench.results import RecordError, load_records
@@ -82,6 +83,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("results") / "runs" / f"{Path(args.scenario).stem}-{scenario.digest()[:10]}"
     _run_directory(out)
     console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
+    try:  # the cells need scipy for the interval only: say so once, here, and run
+        require("scipy.stats", "the confidence interval of the throughput")
+    except MissingDependency as e:
+        console.print(f"[yellow]warning: {escape(str(e))}. The records get none (throughput.ci95_missing); "
+                      "compare, recommend and report need scipy too.[/yellow]")
     shown = RunProgress(console, len(cells), live=console.is_terminal and not args.quiet, lines=not args.quiet)
     try:
         with shown:
@@ -358,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
-    except (ScenarioError, RecordError, ValueError, OSError) as e:  # OSError names its file
+    except (ScenarioError, RecordError, ValueError, OSError, MissingDependency) as e:  # OSError names its file
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -55,6 +55,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             "speedup": None,  # needs the baseline's record: see flat_rows
             "throughput_ci95_low": ci[0],
             "throughput_ci95_high": ci[1],
+            **({"throughput_ci95_missing": rate["ci95_missing"]} if "ci95_missing" in rate else {}),
             "step_time_median_s": step["median"],
             "step_time_p95_s": step["p95"],
             "step_time_iqr_s": step["iqr"],

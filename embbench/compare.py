@@ -144,8 +144,14 @@ def parse_percent(text: str) -> float:
 
 
 def step_time_test(before: list[float], after: list[float], alpha: float = ALPHA) -> Significance:
-    """Mann-Whitney U (two-sided) of two cells' per-step times (see the module doc)."""
-    from scipy import stats
+    """Mann-Whitney U (two-sided) of two cells' per-step times (see the module doc).
+
+    Raises:
+        MissingDependency: scipy is not installed.
+    """
+    from embbench.optional import require
+
+    stats = require("scipy.stats", "the significance test (Mann-Whitney U)")
 
     if len(before) < 2 or len(after) < 2:
         return Significance(TEST, None, None, len(before), len(after))

@@ -16,14 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from rich.console import Console
 
-matplotlib.use("Agg")  # no display: render to memory
-import matplotlib.pyplot as plt  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from embbench.columns import flat_row, get  # noqa: E402
-from embbench.compare import ALPHA, TEST, Run, compare_runs  # noqa: E402
+from embbench.columns import flat_row, get
+from embbench.compare import ALPHA, TEST, Run, compare_runs
+from embbench.optional import require
 
 __all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
 
@@ -41,7 +38,15 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display: render to memory), imported when a
+    report is made (a MissingDependency without matplotlib)."""
+    require("matplotlib", "embbench report (its plots)").use("Agg")
+    return require("matplotlib.pyplot", "embbench report (its plots)")
+
+
 def _png(fig) -> str:
+    plt = _pyplot()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -49,6 +54,7 @@ def _png(fig) -> str:
 
 
 def _strategy_colours(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    plt = _pyplot()
     names = sorted({r["strategy"] for r in rows})
     cmap = plt.get_cmap("tab10")
     return {name: cmap(i % 10) for i, name in enumerate(names)}
@@ -56,6 +62,7 @@ def _strategy_colours(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def plot_pareto(run: Run) -> str | None:
     """Throughput against device memory per rank, a colour per strategy, the front marked."""
+    plt = _pyplot()
     rows = [r for r in map(flat_row, run.records) if r["status"] == "ok"]
     if not rows:
         return None
@@ -83,6 +90,7 @@ def plot_pareto(run: Run) -> str | None:
 def plot_hit_rates(runs: list[Run]) -> str | None:
     """Hit rate and Belady's bound against the cache ratio, one line per family of cells that
     differ only in ``cache_ratio`` (per distinct row too, where recorded)."""
+    plt = _pyplot()
     series: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         for r in map(flat_row, run.records):
@@ -114,6 +122,7 @@ def plot_hit_rates(runs: list[Run]) -> str | None:
 
 def plot_step_times(runs: list[Run]) -> str | None:
     """Box plots of every measured cell's step times (ms), the runs side by side per cell."""
+    plt = _pyplot()
     boxes, labels = [], []
     for run in runs:
         for r in map(flat_row, run.records):
@@ -136,6 +145,7 @@ def plot_step_times(runs: list[Run]) -> str | None:
 def plot_per_rank(run: Run) -> list[str]:
     """For each multi-rank cell: per-rank bars of device and host memory, communication and
     hit rate (what each rank holds and does)."""
+    plt = _pyplot()
     images = []
     for record in run.records:
         ranks = get(record.metrics, "per_rank")
@@ -190,6 +200,7 @@ def render_report(runs: list[Run]) -> str:
     of the comparison)."""
     from embbench.report import comparison_table, delta_table
 
+    _pyplot()  # without matplotlib, fail before any work
     parts = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>embbench report</title>",
              f"<style>{_STYLE}</style></head><body><h1>embbench report</h1>"]
     for run in runs:

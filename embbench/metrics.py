@@ -109,8 +109,14 @@ def warmed_up(window_rates: list[float | None], tolerance: float = 0.002) -> boo
 
 def confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
     """Confidence interval of the mean (Student t at n - 1 degrees of freedom), or None for
-    fewer than two values."""
-    from scipy import stats  # imported here: the runner's processes start faster without it
+    fewer than two values.
+
+    Raises:
+        MissingDependency: scipy (the t quantile) is not installed.
+    """
+    from embbench.optional import require
+
+    stats = require("scipy.stats", "the confidence interval of the throughput")
 
     if len(values) < 2:
         return None

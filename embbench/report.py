@@ -57,7 +57,8 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     return {
         "ranks": str(r.world_size),
         "step ms\nmedian / p95": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
-        "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else ""),
+        "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else
+                                                  " (no CI: no scipy)" if m["throughput"].get("ci95_missing") else ""),
         "speedup": f"{rate / base:.2f}x" if base else "-",
         "hit rate\n(bound)": (_pct(hit) + (f" ({_pct(bound)})" if bound is not None else "") if hit is not None
                                else f"{_pct(unique_hit)} uniq" if unique_hit is not None else ""),
