@@ -177,13 +177,15 @@ _PROVENANCE = ("versions", "devices")
 
 def what_differs(a: Record, b: Record) -> list[str]:
     """Why two records of the same cell cannot be compared: each differing scenario digest,
-    package version or device, as ``name: before vs after``."""
+    package version (the strategy's package's too) or device, as ``name: before vs after``.
+    A key only one record has (written by an embbench that did not record it) is unknown,
+    not a difference."""
     out = []
     if get(a.scenario, "digest") != get(b.scenario, "digest"):
         out.append(f"scenario digest: {str(get(a.scenario, 'digest'))[:10]} vs {str(get(b.scenario, 'digest'))[:10]}")
     for section in _PROVENANCE:
         left, right = a.provenance.get(section) or {}, b.provenance.get(section) or {}
-        for key in sorted(set(left) | set(right)):
+        for key in sorted(set(left) & set(right)):
             if left.get(key) != right.get(key):
                 out.append(f"{key}: {left.get(key)} vs {right.get(key)}")
     return out

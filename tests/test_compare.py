@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from importlib import metadata
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from embbench.compare import (
     TEST, compare_records, load_runs, parse_percent, regressions, step_time_test, what_differs,
 )
 from embbench.metrics import confidence_interval
+from embbench.results import provenance
 
 
 def _steps(seconds: float, n: int = 30, spread: float = 0.05, seed: int = 0) -> list[float]:
@@ -113,6 +115,22 @@ def test_what_differs_names_the_scenario_the_versions_and_the_hardware():
                        "gpus: ['NVIDIA H100 80GB HBM3'] vs ['NVIDIA H200']"]
     (cell,) = compare_records([make_record()], [make_record(provenance=other)])
     assert not cell.comparable and not cell.deltas and cell.significance is None
+
+
+def test_what_differs_names_the_strategys_package_version_and_ignores_what_only_one_recorded():
+    newer = json.loads(json.dumps(PROVENANCE))
+    newer["versions"]["strategy"] = "my_cache 0.2.0"
+    newest = json.loads(json.dumps(newer))
+    newest["versions"]["strategy"] = "my_cache 0.3.0"
+    assert what_differs(make_record(provenance=newer), make_record(provenance=newest)) == [
+        "strategy: my_cache 0.2.0 vs my_cache 0.3.0"]
+    assert what_differs(make_record(), make_record(provenance=newer)) == []  # the older record did not say
+
+
+def test_a_record_names_the_package_that_installs_its_strategy(plugin_path):
+    assert provenance("freqcache")["versions"]["strategy"] == f"embbench {metadata.version('embbench')}"
+    assert provenance("raises")["versions"]["strategy"] == "faulty_plugin 0.0"
+    assert "strategy" not in provenance()["versions"]
 
 
 # -- the regression gate ------------------------------------------------------------------------

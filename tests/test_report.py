@@ -138,6 +138,7 @@ def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(t
     assert (out / "profiles" / "device@w1.trace.json").exists()
     record = json.loads((out / "device@w1.json").read_text())
     assert record["metrics"]["profile"]["top_host"]
+    assert record["provenance"]["versions"]["strategy"].startswith("embbench ")
     shown = subprocess.run([sys.executable, "-m", "embbench.cli", "show", str(out)], cwd=ROOT, capture_output=True,
                            text=True, timeout=300)
     assert "device@w1: top operators by self host time" in shown.stdout
