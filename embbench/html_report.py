@@ -53,20 +53,21 @@ def _png(fig) -> str:
     return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
-def _strategy_colours(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def strategy_colours(runs: list[Run]) -> dict[str, Any]:
+    """One colour per strategy of all the runs, so a strategy looks the same in every plot."""
     plt = _pyplot()
-    names = sorted({r["strategy"] for r in rows})
+    names = sorted({r.strategy for run in runs for r in run.records})
     cmap = plt.get_cmap("tab10")
     return {name: cmap(i % 10) for i, name in enumerate(names)}
 
 
-def plot_pareto(run: Run) -> str | None:
-    """Throughput against device memory per rank, a colour per strategy, the front marked."""
+def plot_pareto(run: Run, colours: dict[str, Any]) -> str | None:
+    """Throughput against device memory per rank, a colour per strategy (``colours``), the
+    front marked."""
     plt = _pyplot()
     rows = [r for r in map(flat_row, run.records) if r["status"] == "ok"]
     if not rows:
         return None
-    colours = _strategy_colours(rows)
     points = [(r["device_bytes"] / MiB, r["throughput"]) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for row, (x, y) in zip(rows, points):
@@ -77,8 +78,8 @@ def plot_pareto(run: Run) -> str | None:
             ls="--", zorder=2, label="Pareto front")
     ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=140, facecolors="none",
                edgecolors="black", zorder=4)
-    for name, colour in colours.items():
-        ax.scatter([], [], color=colour, label=name)
+    for name in sorted({row["strategy"] for row in rows}):
+        ax.scatter([], [], color=colours[name], label=name)
     ax.set_xlabel("device memory per rank, MiB (peak where measured, else static)")
     ax.set_ylabel("samples/s")
     ax.set_title(f"{run.label}: throughput against device memory")
@@ -218,7 +219,7 @@ def render_report(runs: list[Run]) -> str:
         parts.append(_rich_html([delta_table(cells, TEST, title=f"{run.label} against {runs[0].label}")
                                  for run, cells in compare_runs(runs)]))
     sections = [
-        ("Throughput against device memory", [plot_pareto(run) for run in runs]),
+        ("Throughput against device memory", [plot_pareto(run, strategy_colours(runs)) for run in runs]),
         ("Hit rate against Belady's bound", [plot_hit_rates(runs)]),
         ("Step times", [plot_step_times(runs)]),
         ("Per rank", [img for run in runs for img in plot_per_rank(run)]),

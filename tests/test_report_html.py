@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from record_factory import make_record, write_run
 
 from embbench.cli import main
-from embbench.html_report import pareto_front
+from embbench.compare import Run
+from embbench.html_report import pareto_front, strategy_colours
 
 MiB = 1 << 20
 
@@ -132,3 +133,11 @@ def test_the_pareto_front_is_exactly_the_undominated_points(points):
         beaten = any(dominates(q, p) for q in points)
         assert (i in front) == (not beaten)
     assert [points[i][0] for i in front] == sorted(points[i][0] for i in front)
+
+
+def test_a_strategy_has_one_colour_in_every_run_of_a_report(tmp_path):
+    full = Run(tmp_path / "a", [make_record("device"), make_record("cpu"), make_record("freqcache", {"cache_ratio": 0.1})])
+    fewer = Run(tmp_path / "b", [make_record("device"), make_record("freqcache", {"cache_ratio": 0.1})])
+    colours = strategy_colours([full, fewer])
+    assert set(colours) == {"device", "cpu", "freqcache"} and len(set(colours.values())) == 3
+    assert strategy_colours([fewer, full]) == colours
