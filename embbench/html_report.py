@@ -117,7 +117,7 @@ def plot_hit_rates(runs: list[Run]) -> str | None:
     ax.set_ylim(0, 1.02)
     ax.set_title("hit rate against Belady's bound")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: many series would hide the lines
     return _png(fig)
 
 
@@ -174,7 +174,7 @@ def plot_per_rank(run: Run) -> list[str]:
 
 def _rich_html(renderables: list) -> str:
     """rich renderables as inline-styled HTML (the very tables the terminal shows)."""
-    console = Console(record=True, width=220, file=io.StringIO(), color_system="truecolor")
+    console = Console(record=True, width=300, file=io.StringIO(), color_system="truecolor")
     for r in renderables:
         console.print(r)
     return console.export_html(inline_styles=True, code_format="<pre class=\"rich\">{code}</pre>")
