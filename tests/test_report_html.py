@@ -75,7 +75,7 @@ def _browser() -> str | None:
     return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 
 
-@pytest.mark.skipif(_browser() is None, reason="no chromium binary on PATH (apt-get install chromium; .ci/run does it as root)")
+@pytest.mark.skipif(_browser() is None, reason="no chromium binary on PATH (apt-get install chromium)")
 def test_the_report_renders_in_headless_chromium(report, tmp_path):
     from PIL import Image
 
