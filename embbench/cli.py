@@ -91,7 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     shown = RunProgress(console, len(cells), live=console.is_terminal and not args.quiet, lines=not args.quiet)
     try:
         with shown:
-            records = _run_shown(args, scenario, cells, out, shown)
+            records = _run_with_progress(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
         print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
         return 130
@@ -110,8 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_shown(args: argparse.Namespace, scenario, cells, out: Path, shown: RunProgress) -> list:
-    """Run the cells, ``shown`` following them (phase, step k of n, ETA; a line per finished cell)."""
+def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, shown: RunProgress) -> list:
+    """Run the cells, ``shown`` following them: phase, step k of n, ETA; a line per finished cell."""
 
     def on_notice(message):
         console.print(f"  [yellow]note[/yellow]: {escape(message)}")

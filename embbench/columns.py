@@ -10,7 +10,7 @@ from typing import Any
 
 from embbench.results import Record
 
-__all__ = ["device_need_bytes", "flat_row", "flat_rows", "get"]
+__all__ = ["device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names"]
 
 
 def get(d: Any, *keys: str) -> Any:
@@ -20,6 +20,14 @@ def get(d: Any, *keys: str) -> Any:
             return None
         d = d.get(k)
     return d
+
+
+def gpu_names(provenance: dict[str, Any]) -> list[str]:
+    """The names of the GPUs a record was made on: each is a mapping with its ``name`` (and
+    memory, capability, ...); records written before provenance came from collect_env hold
+    the names alone."""
+    gpus = get(provenance, "devices", "gpus") or []
+    return [str(g.get("name")) if isinstance(g, dict) else str(g) for g in gpus]
 
 
 def device_need_bytes(memory: dict[str, Any]) -> int:
@@ -94,7 +102,7 @@ def flat_row(record: Record) -> dict[str, Any]:
         "date": p.get("date"),
         "host": p.get("host"),
         **{f"version.{k}": v for k, v in (p.get("versions") or {}).items()},
-        "gpus": ", ".join(get(p, "devices", "gpus") or []),
+        "gpus": ", ".join(gpu_names(p)),
         "cpu": get(p, "devices", "cpu"),
     })
     return row

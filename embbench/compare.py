@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from embbench.columns import flat_row, get
+from embbench.columns import flat_row, get, gpu_names
 from embbench.results import Record, load_records
 
 __all__ = [
@@ -175,6 +175,13 @@ def _delta(before: float | None, after: float | None, higher_is_better: bool) ->
 _PROVENANCE = ("versions", "devices")
 
 
+def _provenance_section(record: Record, section: str) -> dict[str, Any]:
+    values = dict(record.provenance.get(section) or {})
+    if section == "devices" and "gpus" in values:
+        values["gpus"] = gpu_names(record.provenance)  # older records hold the names alone
+    return values
+
+
 def what_differs(a: Record, b: Record) -> list[str]:
     """Why two records of the same cell cannot be compared: each differing scenario digest,
     package version (the strategy's package's too) or device, as ``name: before vs after``.
@@ -184,7 +191,7 @@ def what_differs(a: Record, b: Record) -> list[str]:
     if get(a.scenario, "digest") != get(b.scenario, "digest"):
         out.append(f"scenario digest: {str(get(a.scenario, 'digest'))[:10]} vs {str(get(b.scenario, 'digest'))[:10]}")
     for section in _PROVENANCE:
-        left, right = a.provenance.get(section) or {}, b.provenance.get(section) or {}
+        left, right = _provenance_section(a, section), _provenance_section(b, section)
         for key in sorted(set(left) & set(right)):
             if left.get(key) != right.get(key):
                 out.append(f"{key}: {left.get(key)} vs {right.get(key)}")

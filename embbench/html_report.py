@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from embbench.columns import flat_row, get
+from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
 
@@ -210,7 +210,7 @@ def render_report(runs: list[Run]) -> str:
         parts.append(f"<p class=\"meta\"><b>{html.escape(run.label)}</b>: scenario {html.escape(str(get(first.scenario, 'name')))} "
                      f"({html.escape(str(get(first.scenario, 'digest'))[:10])}), commit {html.escape(str(get(p, 'git', 'commit'))[:10])}, "
                      f"{html.escape(str(p.get('date')))}, {html.escape(str(get(p, 'devices', 'cpu')))}, "
-                     f"GPUs: {html.escape(', '.join(get(p, 'devices', 'gpus') or []) or 'none')}, {len(run.records)} cells</p>")
+                     f"GPUs: {html.escape(', '.join(gpu_names(p)) or 'none')}, {len(run.records)} cells</p>")
     parts.append("<h2>Results</h2>")
     parts.append(_rich_html([comparison_table(run.records, title=run.label) for run in runs]))
     if len(runs) > 1:

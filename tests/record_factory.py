@@ -15,7 +15,8 @@ PROVENANCE = {
     "date": "2026-01-01T00:00:00+00:00", "command": "embbench run smoke.yaml", "host": "test",
     "git": {"commit": "0" * 40, "branch": "main", "dirty": False},
     "versions": {"python": "3.11.7", "torch": "2.11.0", "cuda": "12.8", "torchrec": "1.6.1", "fbgemm_gpu": "1.6.0", "embbench": "0.1.0"},
-    "devices": {"cpu": "test cpu", "cpu_count": 16, "gpus": ["NVIDIA H100 80GB HBM3"]},
+    "devices": {"cpu": "test cpu", "cpu_count": 16, "gpus": [
+        {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85 * 10**9, "capability": "9.0", "multiprocessors": 132}]},
 }
 
 

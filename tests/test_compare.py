@@ -108,13 +108,22 @@ def test_cells_are_matched_by_id_and_the_unmatched_are_listed():
 def test_what_differs_names_the_scenario_the_versions_and_the_hardware():
     other = json.loads(json.dumps(PROVENANCE))
     other["versions"]["torch"] = "2.13.0"
-    other["devices"]["gpus"] = ["NVIDIA H200"]
+    other["devices"]["gpus"] = [{"name": "NVIDIA H200"}]
     other["git"]["commit"] = "1" * 40  # a different commit is what one compares: not a difference
     differs = what_differs(make_record(), make_record(digest="e" * 64, provenance=other))
     assert differs == ["scenario digest: dddddddddd vs eeeeeeeeee", "torch: 2.11.0 vs 2.13.0",
                        "gpus: ['NVIDIA H100 80GB HBM3'] vs ['NVIDIA H200']"]
     (cell,) = compare_records([make_record()], [make_record(provenance=other)])
     assert not cell.comparable and not cell.deltas and cell.significance is None
+
+
+def test_records_that_hold_only_gpu_names_compare_by_name():
+    names_only = json.loads(json.dumps(PROVENANCE))  # as written before provenance came from collect_env
+    names_only["devices"]["gpus"] = ["NVIDIA H100 80GB HBM3"]
+    assert what_differs(make_record(provenance=names_only), make_record()) == []
+    names_only["devices"]["gpus"] = ["NVIDIA H200"]
+    assert what_differs(make_record(provenance=names_only), make_record()) == [
+        "gpus: ['NVIDIA H200'] vs ['NVIDIA H100 80GB HBM3']"]
 
 
 def test_what_differs_names_the_strategys_package_version_and_ignores_what_only_one_recorded():
@@ -177,7 +186,7 @@ def runs(tmp_path):
     slower = write_run(tmp_path / "slower", [make_record("device", step_times=_steps(0.0115, seed=2)),
                                              make_record("cpu", step_times=_steps(0.020, seed=4))])
     other = json.loads(json.dumps(PROVENANCE))
-    other["devices"]["gpus"] = ["NVIDIA H200"]
+    other["devices"]["gpus"] = [{"name": "NVIDIA H200"}]
     elsewhere = write_run(tmp_path / "elsewhere", [make_record("device", provenance=other)])
     return base, slower, elsewhere
 

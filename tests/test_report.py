@@ -40,6 +40,7 @@ def test_show_csv_has_one_row_per_cell_with_flat_columns(tmp_path, capsys):
     assert cache["param.cache_ratio"] == "0.1" and cache["param.policy"] == "lfu"
     assert float(cache["hit_rate"]) == 0.9 and float(cache["belady_hit_rate"]) == 0.95
     assert int(cache["device_bytes"]) == 100 and cache["version.torch"] == "2.11.0"
+    assert cache["gpus"] == "NVIDIA H100 80GB HBM3"
     assert json.loads(cache["step_time_samples"]) == [0.005] * 12
     assert by_id["uvm@w1"]["status"] == "unsupported" and by_id["uvm@w1"]["message"] == "needs CUDA"
     assert by_id["uvm@w1"]["throughput"] == ""
@@ -58,7 +59,7 @@ def test_show_json_is_the_same_rows_for_notebooks(tmp_path, capsys):
 def test_show_of_a_directory_that_is_not_a_run_is_one_line(tmp_path, capsys):
     assert main(["show", str(tmp_path), "--csv"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not a run directory" in err
+    assert err.count("\n") == 1 and "no result records (*.json) here" in err
 
 
 # -- progress ---------------------------------------------------------------------------------
