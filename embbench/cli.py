@@ -1,8 +1,12 @@
-"""``embbench run | strategies | show | project | data check | data prepare | trace record``."""
+"""``embbench run | strategies | show | compare | report | recommend | project | data check | data prepare |
+trace record``."""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -14,12 +18,14 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
                              run_cells_in_job)
-from embbench.report import print_comparison
+from embbench.optional import MissingDependency, require
+from embbench.progress import RunProgress
+from embbench.report import print_comparison, profile_tables
 from embbench.results import RecordError, load_records
 from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
@@ -78,6 +84,8 @@ def _default_run_dir(path: str, scenario) -> Path:
 def cmd_run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
     scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=strategies)
+    if args.profile and launched_by_torchrun():
+        raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
     out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
     if not args.dry_run:
         _run_directory(out)  # before any data is converted into it
@@ -86,8 +94,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         _dry_run(scenario, cells)
         return 0
     console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
+    try:  # the cells need scipy for the interval only: say so once, here, and run
+        require("scipy.stats", "the confidence interval of the throughput")
+    except MissingDependency as e:
+        console.print(f"[yellow]warning: {escape(str(e))}. The records get none (throughput.ci95_missing); "
+                      "compare, recommend and report need scipy too.[/yellow]")
+    shown = RunProgress(console, len(cells), live=console.is_terminal and not args.quiet, lines=not args.quiet)
     try:
-        records = _run_with_progress(args, scenario, cells, out)
+        with shown:
+            records = _run_with_progress(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
         print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
         return 130
@@ -98,33 +113,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not records:
         return 0  # a torchrun rank other than 0: rank 0 prints
     print_comparison(records, console, title=scenario.name)
-    console.print(f"records: {out}")
+    if args.profile:
+        for table in profile_tables(records):
+            console.print(table)
+    console.print(escape(shown.summary()))
+    console.print(f"records: {escape(str(out))}")
     return 0
 
 
-def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path) -> list:
-    """Run the cells under a progress bar, a line per finished cell."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("starting", total=len(cells))
+def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, shown: RunProgress) -> list:
+    """Run the cells, ``shown`` following them: phase, step k of n, ETA; a line per finished cell."""
 
-        def on_start(cell):
-            progress.update(task, description=f"running {escape(cell.id)}")
+    def on_notice(message):
+        console.print(f"  [yellow]note[/yellow]: {escape(message)}")
 
-        def on_done(cell, record):
-            progress.advance(task)
-            style = "green" if record.status == "ok" else "yellow" if record.status == "unsupported" else "red"
-            first_line = (record.message or "").splitlines()[0] if record.message else ""
-            console.print(f"  [{style}]{record.status:>11}[/{style}]  {escape(cell.id)}  [dim]{escape(first_line)}[/dim]")
-
-        def on_notice(message):
-            console.print(f"  [yellow]note[/yellow]: {escape(message)}")
-
-        if launched_by_torchrun():
-            return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
-                                    on_start=on_start, on_done=on_done)
-        return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=on_start,
-                         on_done=on_done, on_notice=on_notice, force=args.force)
+    if launched_by_torchrun():
+        return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
+                                on_start=shown.on_start, on_done=shown.on_done)
+    return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=shown.on_start,
+                     on_done=shown.on_done, on_progress=shown.on_progress, on_notice=on_notice, force=args.force,
+                     profile_dir=out / "profiles" if args.profile else None)
 
 
 def _conversion_progress() -> Progress:
@@ -274,11 +282,90 @@ def _skip_damaged(error: RecordError) -> None:
     print(f"warning: {error}; skipped", file=sys.stderr)
 
 
+def _csv_columns(rows: list[dict]) -> list[str]:
+    """Every column any cell has: in the order of the fullest row, the parameters after the
+    cell's identity and status."""
+    keys = list(dict.fromkeys(k for row in sorted(rows, key=len, reverse=True) for k in row))
+    params = [k for k in keys if k.startswith("param.")]
+    rest = [k for k in keys if not k.startswith("param.")]
+    at = rest.index("semantics") + 1
+    return rest[:at] + params + rest[at:]
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     records = load_records(Path(args.results), on_damaged=_skip_damaged)
     if not records:
         raise RecordError(f"{args.results}: no usable records")
+    if args.csv or args.json:
+        from embbench.columns import flat_rows
+
+        rows = flat_rows(records)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            columns = _csv_columns(rows)
+            writer = csv.DictWriter(sys.stdout, columns, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()} for row in rows)
+        return 0
     print_comparison(records, console, title=str(args.results))
+    for table in profile_tables(records):
+        console.print(table)
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from embbench.compare import load_runs
+    from embbench.recommend import Budget, parse_size, recommend
+    from embbench.report import print_recommendations
+
+    budget = Budget(parse_size(args.device_memory, "--device-memory"),
+                    parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
+    if args.auc_tolerance < 0:
+        raise ValueError(f"--auc-tolerance {args.auc_tolerance}: must be 0 or more")
+    records = load_runs([args.run])[0].records
+    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in recs], indent=2))
+    else:
+        print_recommendations(recs, budget, args.run, console)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from embbench.compare import ALPHA, TEST, compare_runs, load_runs, parse_percent, regressions, to_json
+    from embbench.report import print_deltas
+
+    threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
+    runs = load_runs(args.runs)
+    pairs = compare_runs(runs, ALPHA)
+    failures = []
+    for run, cells in pairs:
+        if threshold is not None and not any(c.comparable for c in cells):
+            raise ValueError(f"{run.label}: no cell is comparable with {runs[0].label}, so --fail-on cannot check anything")
+        prefix = f"{run.label}: " if len(pairs) > 1 else ""
+        failures += [prefix + why for why in (regressions(cells, threshold) if threshold is not None else [])]
+    if args.json:
+        print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures), indent=2))
+    else:
+        for run, cells in pairs:
+            print_deltas(cells, runs[0].label, run.label, TEST, console)
+        if threshold is not None:
+            verdict = "\n".join(f"  {why}" for why in failures)
+            console.print(f"[red]regression beyond {args.fail_on}:[/red]\n{escape(verdict)}" if failures
+                          else f"[green]no significant throughput drop beyond {args.fail_on}[/green]")
+    return 1 if failures else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from embbench.compare import load_runs
+    from embbench.html_report import check_writable, write_report
+
+    out = Path(args.out)
+    check_writable(out)  # before the work, not after it
+    runs = load_runs(args.runs)
+    write_report(runs, out)
+    console.print(f"report: {escape(str(out))} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)")
     return 0
 
 
@@ -383,13 +470,37 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")
     run.add_argument("--data-cache", help="folder of parsed data files, shared across runs (default: <run dir>/data-cache)")
+    run.add_argument("--quiet", action="store_true", help="no live progress and no line per cell; the table and a summary only")
+    run.add_argument("--profile", action="store_true",
+                     help="a torch.profiler Chrome trace per cell (untimed extra steps) in <run dir>/profiles/, "
+                          "top operators in the record")
     run.set_defaults(func=cmd_run)
     _add_data_commands(sub)
     strategies = sub.add_parser("strategies", help="list installed strategies, their parameters, and whether they run here")
     strategies.set_defaults(func=cmd_strategies)
     show = sub.add_parser("show", help="print the comparison table of a (partial) run")
     show.add_argument("results", help="a run directory or one record file")
+    export = show.add_mutually_exclusive_group()
+    export.add_argument("--csv", action="store_true", help="one row per cell, flat columns, for spreadsheets")
+    export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")
     show.set_defaults(func=cmd_show)
+    rec = sub.add_parser("recommend", help="the fastest measured placement that fits a memory budget, and why not the others")
+    rec.add_argument("run", help="a run directory")
+    rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")
+    rec.add_argument("--host-memory", metavar="SIZE", help="per host (all ranks together)")
+    rec.add_argument("--auc-tolerance", type=float, default=0.001,
+                     help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
+    rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    rec.set_defaults(func=cmd_recommend)
+    comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
+    comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")
+    comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput drops significantly by more than PCT (e.g. 5%%) or a cell fails")
+    comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    comp.set_defaults(func=cmd_compare)
+    rep = sub.add_parser("report", help="one self-contained HTML file: the tables and plots of one or more runs")
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories; with several, the first is the baseline of the comparison")
+    rep.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    rep.set_defaults(func=cmd_report)
     proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
     proj.add_argument("results", help="a run directory or one record file")
     proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")
@@ -408,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
-    except (ScenarioError, RecordError, ValueError, OSError) as e:  # OSError names its file
+    except (ScenarioError, RecordError, ValueError, OSError, MissingDependency) as e:  # OSError names its file
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

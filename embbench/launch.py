@@ -275,7 +275,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             record = Record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
                             status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
                             baseline=scenario.baseline, scenario=scenario_info, metrics=outcome.metrics,
-                            provenance=provenance())
+                            provenance=provenance(cell.strategy))
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             if cell.strategy == scenario.baseline and baseline_record is None:
                 baseline_record = record

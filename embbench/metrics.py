@@ -107,18 +107,22 @@ def warmed_up(window_rates: list[float | None], tolerance: float = 0.002) -> boo
     return len(window_rates) >= 2 and window_rates[-2] is not None and window_rates[-1] >= window_rates[-2] - tolerance
 
 
-# Two-sided 95% Student t quantiles by degrees of freedom (1..30); the normal beyond.
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+def confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Confidence interval of the mean (Student t at n - 1 degrees of freedom), or None for
+    fewer than two values.
 
+    Raises:
+        MissingDependency: scipy (the t quantile) is not installed.
+    """
+    from embbench.optional import require
 
-def confidence_interval(values: list[float]) -> tuple[float, float] | None:
-    """95% confidence interval of the mean (Student t), or None for fewer than two values."""
+    stats = require("scipy.stats", "the confidence interval of the throughput")
+
     if len(values) < 2:
         return None
     mean = statistics.fmean(values)
-    half = (_T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    quantile = float(stats.t.ppf((1 + level) / 2, len(values) - 1))
+    half = quantile * statistics.stdev(values) / math.sqrt(len(values))
     return mean - half, mean + half
 
 

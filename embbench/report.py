@@ -8,9 +8,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from embbench.compare import METRICS, CellComparison, Delta, Significance
+from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
 
-__all__ = ["comparison_table", "print_comparison"]
+__all__ = ["comparison_table", "delta_table", "print_comparison", "print_deltas", "print_recommendations",
+           "profile_tables"]
 
 _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
@@ -54,7 +57,8 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     return {
         "ranks": str(r.world_size),
         "step ms\nmedian / p95": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
-        "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else ""),
+        "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else
+                                                  " (no CI: no scipy)" if m["throughput"].get("ci95_missing") else ""),
         "speedup": f"{rate / base:.2f}x" if base else "-",
         "hit rate\n(bound)": (_pct(hit) + (f" ({_pct(bound)})" if bound is not None else "") if hit is not None
                                else f"{_pct(unique_hit)} uniq" if unique_hit is not None else ""),
@@ -110,3 +114,129 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
     for r in records:  # why a cell has no numbers
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
+
+
+_DIRECTION_STYLE = {"better": "green", "worse": "red", "same": "dim"}
+
+
+def _delta_text(delta: Delta | None, with_values: str | None = None) -> Text:
+    """``+5.2%`` coloured by direction (``with_values``: a format for ``before -> after``)."""
+    if delta is None or delta.direction is None:
+        return Text("-", style="dim")
+    change = "=" if delta.direction == "same" else (f"{100 * delta.relative:+.1f}%" if delta.relative is not None else "new")
+    text = Text(f"{delta.before:{with_values}} → {delta.after:{with_values}}  " if with_values else "")
+    text.append(change, style=_DIRECTION_STYLE[delta.direction])
+    return text
+
+
+def _significance_text(sig: Significance | None) -> Text:
+    if sig is None or sig.p_value is None:
+        return Text("n/a", style="dim")
+    return Text(f"yes p={sig.p_value:.2g}", style="bold") if sig.significant else Text(f"no p={sig.p_value:.2g}", style="dim")
+
+
+def _status_change(cell: CellComparison, before: str, after: str) -> Text:
+    if cell.status_before is None:
+        return Text(f"only in {after}", style="yellow")
+    if cell.status_after is None:
+        return Text(f"only in {before}", style="yellow")
+    if cell.status_before != cell.status_after:
+        return Text(f"{cell.status_before} → {cell.status_after}", style="red" if cell.status_before == "ok" else "green")
+    if cell.differences:
+        return Text("not comparable", style="magenta")
+    return Text(cell.status_after, style=_STATUS_STYLE.get(cell.status_after, ""))
+
+
+def delta_table(cells: list[CellComparison], test: str, title: str = "B against A") -> Table:
+    """One row per cell id: run B (the candidate) against run A (the baseline), signed
+    relative deltas coloured green where better and red where worse."""
+    table = Table(title=Text(title, style="bold"), header_style="bold",
+                  caption=f"relative change of the candidate; green better, red worse; significant: {test}")
+    table.add_column("cell", no_wrap=True)
+    table.add_column("status")
+    for metric in METRICS:
+        table.add_column(metric.label, justify="right")
+    table.add_column("significant", justify="right")
+    for cell in cells:
+        numbers = [_delta_text(cell.deltas.get(m.key), ",.0f" if m.key == "throughput" else None) for m in METRICS] \
+            if cell.deltas else [Text("")] * len(METRICS)
+        table.add_row(Text(cell.cell_id), _status_change(cell, "A", "B"), *numbers,
+                      _significance_text(cell.significance) if cell.deltas else Text(""))
+    return table
+
+
+def print_deltas(cells: list[CellComparison], before: str, after: str, test: str, console: Console) -> None:
+    """The delta table, then why cells are not comparable (each distinct reason once)."""
+    console.print(Text(f"A = {before}\nB = {after}"))
+    console.print(delta_table(cells, test))
+    reasons: dict[str, list[str]] = {}
+    for cell in cells:
+        if cell.differences:
+            reasons.setdefault("; ".join(cell.differences), []).append(cell.cell_id)
+    for why, ids in reasons.items():
+        which = "every cell" if len(ids) == len(cells) else ", ".join(ids)
+        console.print(Text(f"not comparable ({which}): {why}", style="magenta"))
+
+
+def print_recommendations(recs: list[Recommendation], budget: Budget, source: str, console: Console) -> None:
+    """The answer of ``embbench recommend``: per world size the fastest cell that fits, the
+    runners-up, what was left out and why, and the cells worth running."""
+    host = format_bytes(budget.host_bytes) if budget.host_bytes is not None else "not limited"
+    console.print(Text(f"budget: {format_bytes(budget.device_bytes)} device memory per rank, host memory {host}; "
+                       f"from the records in {source} (measured only)"))
+    for rec in recs:
+        console.print(Text(f"\n{rec.world_size} rank(s)", style="bold"))
+        if rec.best:
+            b = rec.best
+            console.print(Text.assemble("recommended: ", (b.cell_id, "bold green"),
+                                        f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
+                                        f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")))
+        if rec.runners_up:
+            table = Table(title="runners-up", header_style="bold", title_justify="left",
+                          caption="vs best: throughput against the recommended cell; significant: Mann-Whitney U on per-step times")
+            for col in ["cell", "samples/s", "vs best", "significant", "device", "host", "AUC"]:
+                table.add_column(col, justify="left" if col == "cell" else "right")
+            for c in rec.runners_up:
+                sig = Significance("", c.p_value, c.significant, 0, 0)
+                table.add_row(Text(c.cell_id), f"{c.throughput:,.0f}", f"{100 * c.relative_to_best:+.1f}%",
+                              _significance_text(sig), format_bytes(c.device_bytes), format_bytes(c.host_bytes),
+                              "-" if c.auc is None else f"{c.auc:.4f}")
+            console.print(table)
+        if rec.excluded:
+            table = Table(title="left out", header_style="bold", title_justify="left")
+            table.add_column("cell", no_wrap=True)
+            table.add_column("why")
+            for cell_id, why in rec.excluded.items():
+                table.add_row(Text(cell_id), Text(why))
+            console.print(table)
+        for s in rec.suggestions:
+            console.print(Text(f"not covered by the records: {s.family} at {CACHE_RATIO}={s.cache_ratio:g} "
+                               f"(an estimate: {s.basis})\n  to measure it: {s.command}", style="yellow"))
+        for note in rec.notes:
+            console.print(Text(f"note: {note}", style="dim"))
+
+
+def profile_tables(records: list[Record], top: int = 10) -> list[Table]:
+    """The top operators of each profiled cell (``run --profile``), by self time per step on
+    the device (CUDA) and on the host."""
+    tables = []
+    for r in records:
+        profile = _get(r.metrics, "profile")
+        if not profile:
+            continue
+        for key, where in (("top_device", "device"), ("top_host", "host")):
+            rows = profile.get(key) or []
+            if not rows:
+                continue
+            table = Table(title=Text(f"{r.cell_id}: top operators by self {where} time", style="bold"), title_justify="left",
+                          header_style="bold",
+                          caption=Text(f"per step, over {profile.get('steps', '?')} untimed steps; "
+                                       f"trace: profiles/{profile.get('trace', '?')}"))
+            on_device = any(op["self_device_us"] for op in rows)  # a CPU run has no device times
+            for col in ["operator", "calls", "self host µs"] + (["self device µs"] if on_device else []):
+                table.add_column(col, justify="left" if col == "operator" else "right")
+            for op in rows[:top]:
+                table.add_row(Text(op["op"]), f"{op['calls']:,.1f}", f"{op['self_cpu_us']:,.1f}",
+                              *([f"{op['self_device_us']:,.1f}"] if on_device else []))
+            tables.append(table)
+    return tables

@@ -169,13 +169,19 @@ def environment() -> dict[str, Any]:
     }
 
 
-def provenance() -> dict[str, Any]:
-    """Where, when, with what code and packages, and by which command a result was made."""
+def provenance(strategy: str | None = None) -> dict[str, Any]:
+    """Where, when, with what code and packages, and by which command a result was made;
+    with ``strategy``, also ``versions.strategy``: the package and version that install it."""
+    from embbench.strategy import strategy_version
+
+    env = environment()
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "host": socket.gethostname(),
-        **environment(),
+        **env,
+        # a copy: environment() is cached for the whole process
+        "versions": {**env["versions"], **({"strategy": strategy_version(strategy)} if strategy else {})},
     }
 
 

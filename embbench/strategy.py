@@ -29,7 +29,7 @@ from embbench.optim import EmbeddingOptimizer
 __all__ = [
     "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
     "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "broken_strategies", "get_strategy",
-    "load_strategies",
+    "load_strategies", "strategy_version",
 ]
 
 #: Counter names every strategy reports (cumulative since build; absent ones count as 0).
@@ -282,6 +282,14 @@ def broken_strategies() -> dict[str, str]:
 
 #: Tests install plugins on the fly and start discovery afresh.
 load_strategies.cache_clear = _discover.cache_clear  # type: ignore[attr-defined]
+
+
+def strategy_version(name: str) -> str | None:
+    """``"<distribution> <version>"`` of the package whose entry point installs strategy
+    ``name`` (``"embbench 0.1.0"`` for the built-in ones), or None if none does."""
+    for ep in entry_points(group="embbench.strategies", name=name):
+        return f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else None
+    return None
 
 
 def get_strategy(name: str) -> type[Strategy]:

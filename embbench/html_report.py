@@ -1,0 +1,259 @@
+"""``embbench report``: one self-contained HTML file with the tables and the plots of runs.
+
+Everything is inside the file (the tables as rich renders them, the plots as base64 PNG),
+so it can be mailed, attached to a CI job or committed beside the results. Plots
+(matplotlib, Agg backend): throughput against device memory with the Pareto front, hit
+rate against Belady's bound by cache ratio, step-time distributions, per-rank bars of
+multi-rank cells, and the top profiled operators where a run was profiled.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from embbench.columns import flat_row, get, gpu_names
+from embbench.compare import ALPHA, TEST, Run, compare_runs
+from embbench.optional import require
+
+__all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
+
+MiB = 2**20
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points (memory, throughput) that no other point beats: none uses no
+    more memory and is at least as fast while better in one of the two. Sorted by memory."""
+    front = []
+    for i, (mem, rate) in enumerate(points):
+        dominated = any(m <= mem and r >= rate and (m < mem or r > rate) for j, (m, r) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i])
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display: render to memory), imported when a
+    report is made (a MissingDependency without matplotlib)."""
+    require("matplotlib", "embbench report (its plots)").use("Agg")
+    return require("matplotlib.pyplot", "embbench report (its plots)")
+
+
+def _png(fig) -> str:
+    plt = _pyplot()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+
+
+def strategy_colours(runs: list[Run]) -> dict[str, Any]:
+    """One colour per strategy of all the runs, so a strategy looks the same in every plot."""
+    plt = _pyplot()
+    names = sorted({r.strategy for run in runs for r in run.records})
+    cmap = plt.get_cmap("tab10")
+    return {name: cmap(i % 10) for i, name in enumerate(names)}
+
+
+def plot_pareto(run: Run, colours: dict[str, Any]) -> str | None:
+    """Throughput against device memory per rank, a colour per strategy (``colours``), the
+    front marked."""
+    plt = _pyplot()
+    rows = [r for r in map(flat_row, run.records) if r["status"] == "ok"]
+    if not rows:
+        return None
+    points = [(r["device_bytes"] / MiB, r["throughput"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for row, (x, y) in zip(rows, points):
+        ax.scatter(x, y, color=colours[row["strategy"]], s=40, zorder=3)
+        ax.annotate(row["cell_id"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    front = pareto_front(points)
+    ax.step([points[i][0] for i in front], [points[i][1] for i in front], where="post", color="0.3", lw=1,
+            ls="--", zorder=2, label="Pareto front")
+    ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=140, facecolors="none",
+               edgecolors="black", zorder=4)
+    for name in sorted({row["strategy"] for row in rows}):
+        ax.scatter([], [], color=colours[name], label=name)
+    ax.set_xlabel("device memory per rank, MiB (peak where measured, else static)")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"{run.label}: throughput against device memory")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_hit_rates(runs: list[Run]) -> str | None:
+    """Hit rate and Belady's bound against the cache ratio, one line per family of cells that
+    differ only in ``cache_ratio`` (per distinct row too, where recorded)."""
+    plt = _pyplot()
+    series: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        for r in map(flat_row, run.records):
+            ratio = r.get("param.cache_ratio")
+            if r["status"] == "ok" and ratio is not None and (r["hit_rate"] is not None or r["unique_hit_rate"] is not None):
+                family = r["cell_id"].replace(f"cache_ratio={ratio}", "cache_ratio=*")
+                series.setdefault(f"{family} ({run.label})" if len(runs) > 1 else family, []).append(r)
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    cmap = plt.get_cmap("tab10")
+    curves = [("hit_rate", "-", "o", "hit rate"), ("belady_hit_rate", "--", "x", "Belady's bound"),
+              ("unique_hit_rate", ":", "s", "per distinct row"), ("belady_unique_hit_rate", "-.", "+", "bound per distinct row")]
+    for i, (family, rows) in enumerate(series.items()):
+        rows.sort(key=lambda r: r["param.cache_ratio"])
+        for key, style, marker, what in curves:
+            pts = [(r["param.cache_ratio"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), ls=style, marker=marker, color=cmap(i % 10), label=f"{family}: {what}")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache ratio (cached rows / all rows)")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("hit rate against Belady's bound")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: many series would hide the lines
+    return _png(fig)
+
+
+def plot_step_times(runs: list[Run]) -> str | None:
+    """Box plots of every measured cell's step times (ms), the runs side by side per cell."""
+    plt = _pyplot()
+    boxes, labels = [], []
+    for run in runs:
+        for r in map(flat_row, run.records):
+            if r["status"] == "ok":
+                boxes.append([s * 1e3 for s in r["step_time_samples"]])
+                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else ""))
+    if not boxes:
+        return None
+    order = sorted(range(len(labels)), key=lambda i: labels[i], reverse=True)  # top to bottom, by cell
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.32 * len(boxes)))
+    ax.boxplot([boxes[i] for i in order], orientation="horizontal", widths=0.6)
+    ax.set_yticks(range(1, len(order) + 1))
+    ax.set_yticklabels([labels[i] for i in order], fontsize=7)
+    ax.set_xlabel("step time, ms (box: quartiles; whiskers: 1.5 IQR)")
+    ax.set_title("step-time distributions")
+    ax.grid(alpha=0.3, axis="x")
+    return _png(fig)
+
+
+def plot_per_rank(run: Run) -> list[str]:
+    """For each multi-rank cell: per-rank bars of device and host memory, communication and
+    hit rate (what each rank holds and does)."""
+    plt = _pyplot()
+    images = []
+    for record in run.records:
+        ranks = get(record.metrics, "per_rank")
+        if record.status != "ok" or not ranks:
+            continue
+        steps = record.metrics["measured_steps"]
+        panels = [
+            ("device MiB (static)", [r["memory"]["static_device_bytes"] / MiB for r in ranks]),
+            ("host MiB (static + pinned)", [(r["memory"]["static_host_bytes"] + r["memory"]["pinned_bytes"]) / MiB for r in ranks]),
+            ("comm MiB sent / step", [r["counters"].get("bytes_comm", 0) / steps / MiB for r in ranks]),
+            ("hit rate", [r.get("hit_rate") if r.get("hit_rate") is not None else r.get("unique_hit_rate") for r in ranks]),
+        ]
+        panels = [(title, values) for title, values in panels if any(v for v in values if v is not None)]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 2.8), squeeze=False)
+        for ax, (title, values) in zip(axes[0], panels):
+            ax.bar([str(r["rank"]) for r in ranks], [v or 0 for v in values], color="tab:blue")
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("rank", fontsize=8)
+        fig.suptitle(f"{record.cell_id} ({run.label})", fontsize=10)
+        images.append(_png(fig))
+    return images
+
+
+def _rich_html(renderables: list) -> str:
+    """rich renderables as inline-styled HTML (the very tables the terminal shows)."""
+    console = Console(record=True, width=300, file=io.StringIO(), color_system="truecolor")
+    for r in renderables:
+        console.print(r)
+    return console.export_html(inline_styles=True, code_format="<pre class=\"rich\">{code}</pre>")
+
+
+def _profile_html(run: Run) -> str:
+    from embbench.report import profile_tables
+
+    tables = profile_tables(run.records)
+    return _rich_html(tables) if tables else ""
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; background: #fff; }
+h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+pre.rich { font-size: 11px; line-height: 1.25; background: #fff; overflow-x: auto; }
+img { max-width: 100%; margin: 8px 0; border: 1px solid #eee; }
+.meta { color: #555; font-size: 13px; } .none { color: #777; font-style: italic; }
+"""
+
+
+def render_report(runs: list[Run]) -> str:
+    """The report of one or more runs as one HTML document (the first run is the baseline
+    of the comparison)."""
+    from embbench.report import comparison_table, delta_table
+
+    _pyplot()  # without matplotlib, fail before any work
+    parts = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>embbench report</title>",
+             f"<style>{_STYLE}</style></head><body><h1>embbench report</h1>"]
+    for run in runs:
+        first = run.records[0]
+        p = first.provenance
+        parts.append(f"<p class=\"meta\"><b>{html.escape(run.label)}</b>: scenario {html.escape(str(get(first.scenario, 'name')))} "
+                     f"({html.escape(str(get(first.scenario, 'digest'))[:10])}), commit {html.escape(str(get(p, 'git', 'commit'))[:10])}, "
+                     f"{html.escape(str(p.get('date')))}, {html.escape(str(get(p, 'devices', 'cpu')))}, "
+                     f"GPUs: {html.escape(', '.join(gpu_names(p)) or 'none')}, {len(run.records)} cells</p>")
+    parts.append("<h2>Results</h2>")
+    parts.append(_rich_html([comparison_table(run.records, title=run.label) for run in runs]))
+    if len(runs) > 1:
+        parts.append(f"<h2>Comparison against {html.escape(runs[0].label)}</h2>")
+        parts.append(f"<p class=\"meta\">significance: {html.escape(TEST)}, alpha {ALPHA}</p>")
+        parts.append(_rich_html([delta_table(cells, TEST, title=f"{run.label} against {runs[0].label}")
+                                 for run, cells in compare_runs(runs)]))
+    sections = [
+        ("Throughput against device memory", [plot_pareto(run, strategy_colours(runs)) for run in runs]),
+        ("Hit rate against Belady's bound", [plot_hit_rates(runs)]),
+        ("Step times", [plot_step_times(runs)]),
+        ("Per rank", [img for run in runs for img in plot_per_rank(run)]),
+    ]
+    for title, images in sections:
+        images = [i for i in images if i]
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append("".join(images) if images else "<p class=\"none\">nothing to plot: no cell of these runs records it</p>")
+    profiles = "".join(_profile_html(run) for run in runs)
+    if profiles:
+        parts.append("<h2>Top operators (profiled cells)</h2>" + profiles)
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def check_writable(out: Path) -> None:
+    """A ValueError saying why ``out`` cannot be written, if it cannot."""
+    try:
+        if out.is_dir():
+            raise ValueError(f"--out {out}: is a directory; give a file name such as {out / 'report.html'}")
+        parent = out.parent if str(out.parent) else Path(".")
+        if not parent.is_dir():
+            raise ValueError(f"--out {out}: no such directory {parent}")
+        if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+            raise ValueError(f"--out {out}: not writable")
+    except OSError as e:  # a name too long, a loop of links, ...
+        raise ValueError(f"--out {out}: {e.strerror}") from None
+
+
+def write_report(runs: list[Run], out: Path) -> Path:
+    """Render and write the report; an unwritable ``out`` is a one-line ValueError."""
+    text = render_report(runs)
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write the report: {e.strerror}") from None
+    return out

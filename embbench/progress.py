@@ -1,0 +1,86 @@
+"""What ``embbench run`` shows while it runs: each cell's phase, step k of n, elapsed time
+and ETA (rich.progress) on a terminal; a line per finished cell; and a summary of the wall
+time per cell at the end."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
+
+from embbench.results import Record
+from embbench.scenario import Cell
+
+__all__ = ["RunProgress"]
+
+_STYLE = {"ok": "green", "unsupported": "yellow"}
+
+
+class RunProgress:
+    """Callbacks for :func:`embbench.launch.run_cells` that drive the display.
+
+    Args:
+        console: where to print.
+        cells: how many cells the run has.
+        live: show the live bars (a terminal, not ``--quiet``); off, nothing is redrawn.
+        lines: print a line per finished cell (off with ``--quiet``).
+        clock: seconds, monotonic (a test passes its own).
+    """
+
+    def __init__(self, console: Console, cells: int, live: bool, lines: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.console, self.lines, self.clock = console, lines, clock
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=console, transient=True, disable=not live)
+        self._cells = self.progress.add_task("cells", total=cells)
+        self._phase = self.progress.add_task("", total=None, visible=False)
+        self._started: dict[str, float] = {}
+        self.wall: dict[str, float | None] = {}  # cell id -> seconds (None: kept from an earlier run)
+        self._begin = clock()
+
+    def __enter__(self) -> "RunProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def on_start(self, cell: Cell) -> None:
+        self._started[cell.id] = self.clock()
+        self.progress.reset(self._phase, total=None, description=f"{escape(cell.id)}  starting", visible=True)
+
+    def on_progress(self, cell: Cell, phase: str, step: int, total: int) -> None:
+        """``step`` steps of ``total`` done in ``phase`` (build, warmup, measure, eval)."""
+        description = f"{escape(cell.id)}  {phase}"
+        task = self.progress.tasks[self._phase]
+        if task.description != description:  # a new phase: its own bar, elapsed time and ETA
+            self.progress.reset(self._phase, total=total or None, completed=step, description=description)
+        else:
+            self.progress.update(self._phase, total=total or None, completed=step)
+
+    def on_done(self, cell: Cell, record: Record) -> None:
+        start = self._started.pop(cell.id, None)
+        self.wall[cell.id] = None if start is None else self.clock() - start
+        self.progress.advance(self._cells)
+        self.progress.update(self._phase, visible=False)
+        if self.lines:
+            style = _STYLE.get(record.status, "red")
+            first_line = record.message.splitlines()[0] if record.message else ""
+            took = "" if self.wall[cell.id] is None else f"{self.wall[cell.id]:6.1f} s"
+            self.console.print(f"  [{style}]{record.status:>11}[/{style}]  {took:>8}  {escape(cell.id)}  "
+                               f"[dim]{escape(first_line)}[/dim]")
+
+    def summary(self) -> str:
+        """``wall time per cell: a 3.1 s, b 4.0 s (resumed: c); total 7.2 s``."""
+        ran = [f"{cell} {seconds:.1f} s" for cell, seconds in self.wall.items() if seconds is not None]
+        kept = [cell for cell, seconds in self.wall.items() if seconds is None]
+        text = "wall time per cell: " + (", ".join(ran) if ran else "none ran")
+        if kept:
+            text += f" (kept from the run directory: {', '.join(kept)})"
+        return text + f"; total {self.clock() - self._begin:.1f} s"

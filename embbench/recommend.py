@@ -1,0 +1,214 @@
+"""Where the tables should live, for a memory budget: from measured records only.
+
+Each world size of a run gets its own answer: the fastest cell whose measured memory fits
+the budget, the runners-up (and whether the winner is faster beyond noise), and every
+other cell with the reason it was left out. Nothing is extrapolated silently: where the
+records do not cover the budget (every measured cache is too big, or the budget leaves room
+for a much larger cache than any measured), the answer is a list of cells to *run*, each
+with the estimate that sized it, never a recommendation of an unmeasured cell.
+
+Memory that must fit (per rank, the largest rank of a cell): on the device, the measured
+peak allocation where the device reports one (CUDA) and otherwise the strategy's static
+device bytes; on the host, the static host and pinned bytes of all ranks together (one host).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from embbench.columns import flat_row
+from embbench.compare import ALPHA, step_time_test
+from embbench.results import Record
+
+__all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "format_bytes", "parse_size", "recommend"]
+
+#: The parameter that sizes a cache (a convention of the built-in cached strategies).
+CACHE_RATIO = "cache_ratio"
+#: Suggest a larger cache when the budget allows this many times the largest one measured.
+_ROOM_FACTOR = 1.5
+
+
+def parse_size(text: str, flag: str = "size") -> int:
+    """``16GiB``, ``512MiB``, ``1.5GB`` (powers of 1000), or a number of bytes; a ValueError
+    naming ``flag`` otherwise."""
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text.strip()))
+    except ValidationError:
+        raise ValueError(f"{flag} {text!r}: expected a size such as 16GiB, 512MiB, 1.5GB or a number of bytes") from None
+    if size <= 0:
+        raise ValueError(f"{flag} {text!r}: must be more than 0 bytes")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+@dataclass(frozen=True)
+class Budget:
+    device_bytes: int
+    host_bytes: int | None = None
+
+
+@dataclass
+class Candidate:
+    """A measured cell that fits, as the answer shows it."""
+
+    cell_id: str
+    throughput: float
+    device_bytes: int
+    host_bytes: int
+    auc: float | None
+    #: against the fastest cell: ``throughput / best - 1`` and the step-time test's verdict
+    relative_to_best: float = 0.0
+    p_value: float | None = None
+    significant: bool | None = None
+
+
+@dataclass
+class Suggestion:
+    """A cell worth running because the records do not cover the budget (an estimate)."""
+
+    family: str
+    cache_ratio: float
+    command: str
+    basis: str
+
+
+@dataclass
+class Recommendation:
+    world_size: int
+    best: Candidate | None
+    runners_up: list[Candidate] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)  # cell id -> why
+    suggestions: list[Suggestion] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _round_down(x: float, digits: int = 2) -> float:
+    """``x`` rounded down to ``digits`` significant digits (a ratio that surely fits); the
+    1e-9 keeps a fit's rounding noise (0.04999999...) from costing a digit."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
+    return math.floor(x * scale * (1 + 1e-9)) / scale
+
+
+def _family(record: Record) -> str:
+    """A cell id with its cache ratio left out: the cells that differ only in cache size."""
+    rest = ",".join(f"{k}={v}" for k, v in sorted(record.params.items()) if k != CACHE_RATIO)
+    return f"{record.strategy}[{rest}{',' if rest else ''}{CACHE_RATIO}=?]@w{record.world_size}"
+
+
+def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], budget: Budget,
+                       winner: str | None, run_dir: str) -> tuple[list[Suggestion], list[str]]:
+    """For each family of cells that differ only in ``cache_ratio``: the largest ratio whose
+    device memory fits, from a line through the measured (ratio, device bytes), where the
+    records do not cover it: every measured ratio is too big, or the ``winner`` is this
+    family's largest measured cache and the budget has room for a much larger one."""
+    families: dict[str, list[Record]] = {}
+    for r in records:
+        if r.status == "ok" and isinstance(r.params.get(CACHE_RATIO), (int, float)):
+            families.setdefault(_family(r), []).append(r)
+    suggestions, notes = [], []
+    for family, members in families.items():
+        ratios = np.array([r.params[CACHE_RATIO] for r in members], dtype=float)
+        need = np.array([rows[r.cell_id]["device_bytes"] for r in members], dtype=float)
+        host = max(rows[r.cell_id]["host_bytes_all_ranks"] for r in members)
+        if budget.host_bytes is not None and host > budget.host_bytes:
+            notes.append(f"{family}: its host memory ({format_bytes(host)}) exceeds the host budget at every cache ratio")
+            continue
+        if len(set(ratios)) >= 2:
+            slope, fixed = np.polyfit(ratios, need, 1)
+            basis = f"a line through {len(members)} measured ratios: {format_bytes(fixed)} + {format_bytes(slope / 100)} per 0.01"
+        else:
+            slope, fixed = need[0] / ratios[0], 0.0
+            basis = (f"proportional to the one measured ratio ({ratios[0]:g}: {format_bytes(need[0])}); the fixed part is "
+                     "unknown, so the estimate is optimistic: measure it")
+        if slope <= 0:
+            notes.append(f"{family}: device memory does not grow with {CACHE_RATIO} in these records; cannot size a cache")
+            continue
+        sized = next((r for r in members if rows[r.cell_id].get("capacity_rows") and r.params[CACHE_RATIO]), None)
+        if sized:  # rows a ratio of 1 would cache, from a cell that says how many rows it caches
+            all_rows = rows[sized.cell_id]["capacity_rows"] / sized.params[CACHE_RATIO]
+            basis += f"; about {slope / all_rows:,.0f} bytes per cached row"
+        best_ratio = (budget.device_bytes - fixed) / slope
+        if best_ratio <= 0:
+            notes.append(f"{family}: its fixed device memory (about {format_bytes(fixed)}) exceeds the budget at any {CACHE_RATIO}")
+            continue
+        best_ratio = min(best_ratio, 1.0)
+        fits = need <= budget.device_bytes
+        if fits.any():
+            largest = max((r for r, f in zip(members, fits) if f), key=lambda r: r.params[CACHE_RATIO])
+            if largest.cell_id != winner or best_ratio < _ROOM_FACTOR * largest.params[CACHE_RATIO]:
+                continue  # covered: a measured cache fits, and a larger one would not change the answer
+        ratio = _round_down(best_ratio)
+        scenario = members[0].scenario.get("file", "SCENARIO.yaml")
+        command = (f"add {ratio:g} to {members[0].strategy}'s {CACHE_RATIO} list in {scenario}, then "
+                   f"embbench run {scenario} --strategies {members[0].strategy} --out {run_dir} --resume")
+        suggestions.append(Suggestion(family, ratio, command, basis))
+    return suggestions, notes
+
+
+def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.001, alpha: float = ALPHA,
+              run_dir: str = "RUN") -> list[Recommendation]:
+    """One recommendation per world size of the records (see the module doc); suggested
+    cells are to be run into ``run_dir``.
+
+    A cell is left out when it did not finish (its status), when its memory exceeds the
+    budget (by how much), or when its AUC is below the baseline's at the same world size
+    by more than ``auc_tolerance``.
+    """
+    rows = {r.cell_id: flat_row(r) for r in records}
+    out = []
+    for world in sorted({r.world_size for r in records}):
+        mine = [r for r in records if r.world_size == world]
+        rec = Recommendation(world, None)
+        base = next((r for r in mine if r.strategy == r.baseline and r.status == "ok"), None)
+        base_auc = rows[base.cell_id]["auc"] if base else None
+        if base_auc is None:
+            rec.notes.append(f"accuracy not checked: no measured AUC of the baseline ({mine[0].baseline}) at {world} rank(s)")
+        if any(rows[r.cell_id].get("peak_allocated_bytes") is None for r in mine if r.status == "ok"):
+            rec.notes.append("where no device peak was measured (a CPU device), device memory is the strategy's static bytes")
+        fitting: list[Candidate] = []
+        for r in mine:
+            row = rows[r.cell_id]
+            if r.status != "ok":
+                first_line = (r.message or "").splitlines()[0] if r.message else ""
+                rec.excluded[r.cell_id] = f"status {r.status}" + (f": {first_line}" if first_line else "")
+                continue
+            why = []
+            if row["device_bytes"] > budget.device_bytes:
+                why.append(f"needs {format_bytes(row['device_bytes'])} device memory per rank, "
+                           f"{format_bytes(row['device_bytes'] - budget.device_bytes)} over the budget")
+            if budget.host_bytes is not None and row["host_bytes_all_ranks"] > budget.host_bytes:
+                why.append(f"needs {format_bytes(row['host_bytes_all_ranks'])} host memory, "
+                           f"{format_bytes(row['host_bytes_all_ranks'] - budget.host_bytes)} over the budget")
+            if base_auc is not None and row["auc"] is not None and row["auc"] < base_auc - auc_tolerance:
+                why.append(f"AUC {row['auc']:.4f} is {base_auc - row['auc']:.4f} below the baseline's {base_auc:.4f} "
+                           f"(tolerance {auc_tolerance:g})")
+            if why:
+                rec.excluded[r.cell_id] = "; ".join(why)
+            else:
+                fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"], row["auc"]))
+        fitting.sort(key=lambda c: -c.throughput)
+        if fitting:
+            rec.best, rec.runners_up = fitting[0], fitting[1:]
+            for c in rec.runners_up:
+                c.relative_to_best = c.throughput / rec.best.throughput - 1
+                test = step_time_test(rows[rec.best.cell_id]["step_time_samples"], rows[c.cell_id]["step_time_samples"], alpha)
+                c.p_value, c.significant = test.p_value, test.significant
+        else:
+            needs = [rows[r.cell_id]["device_bytes"] for r in mine if r.status == "ok"]
+            rec.notes.append("no measured cell qualifies" + (
+                f"; the smallest needs {format_bytes(min(needs))} device memory per rank" if needs else ""))
+        rec.suggestions, notes = _cache_suggestions(mine, rows, budget, rec.best.cell_id if rec.best else None, run_dir)
+        rec.notes += notes
+        out.append(rec)
+    return out

@@ -1,0 +1,62 @@
+"""Records with chosen numbers, written as a run directory, for the tests of the commands
+that read runs (compare, report, recommend, show)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from embbench.metrics import confidence_interval, summarize
+from embbench.results import Record, write_record
+from embbench.scenario import Cell
+
+BATCH = 512
+PROVENANCE = {
+    "date": "2026-01-01T00:00:00+00:00", "command": "embbench run smoke.yaml", "host": "test",
+    "git": {"commit": "0" * 40, "branch": "main", "dirty": False},
+    "versions": {"python": "3.11.7", "torch": "2.11.0", "cuda": "12.8", "torchrec": "1.6.1", "fbgemm_gpu": "1.6.0", "embbench": "0.1.0"},
+    "devices": {"cpu": "test cpu", "cpu_count": 16, "gpus": [
+        {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85 * 10**9, "capability": "9.0", "multiprocessors": 132}]},
+}
+
+
+def make_record(strategy: str = "device", params: dict | None = None, world_size: int = 1, status: str = "ok",
+                step_times: list[float] | None = None, repeats: int = 3, device_bytes: int = 1 << 30,
+                peak_bytes: int | None = None, host_bytes: int = 0, hit_rate: float | None = None,
+                unique_hit_rate: float | None = None, extra: dict | None = None, auc: float | None = 0.75,
+                digest: str = "d" * 64, provenance: dict | None = None, per_rank: list | None = None,
+                message: str | None = None, baseline: str = "device", **metric_overrides: Any) -> Record:
+    """A record whose step times (seconds) are ``step_times`` split into ``repeats`` repeats."""
+    cell = Cell(strategy, params or {}, world_size)
+    metrics = None
+    if status == "ok":
+        step_times = step_times or [0.01] * 12
+        per = len(step_times) // repeats
+        per_repeat = [per * BATCH / sum(step_times[i * per:(i + 1) * per]) for i in range(repeats)]
+        memory = {"static_device_bytes": device_bytes, "static_host_bytes": host_bytes, "pinned_bytes": 0,
+                  "peak_rss_bytes": 1 << 30, "peak_allocated_bytes": peak_bytes, "peak_reserved_bytes": peak_bytes}
+        metrics = {
+            "device": "cuda:0", "world_size": world_size, "samples_per_step": BATCH, "measured_steps": len(step_times),
+            "warmup_steps": 3, "build_seconds": 0.1, "step_time_s": summarize(step_times),
+            "throughput": {"unit": "samples/s (global)", "per_repeat": per_repeat,
+                           "mean": sum(per_repeat) / len(per_repeat), "ci95": confidence_interval(per_repeat)},
+            "generator_samples_per_s": 1e6,
+            "memory": {**memory, "sum": {k: None if v is None else v * world_size for k, v in memory.items()}},
+            "accuracy": {"train_loss_last10": 0.5, **({"auc": auc, "logloss": 0.5} if auc is not None else {})},
+            "counters": {"total": {}, "per_step": {}, "hit_rate": hit_rate, "unique_hit_rate": unique_hit_rate},
+            "extra": extra or {},
+            "per_rank": per_rank,
+            "weights_file": None,
+            **metric_overrides,
+        }
+    return Record(cell_id=cell.id, strategy=strategy, params=params or {}, world_size=world_size, status=status,
+                  message=message, baseline=baseline,
+                  scenario={"name": "smoke", "file": "scenarios/smoke.yaml", "digest": digest, "config": {}},
+                  metrics=metrics, provenance=provenance or PROVENANCE)
+
+
+def write_run(directory: Path, records: list[Record]) -> Path:
+    """The records as a run directory, one ``<cell slug>.json`` each (as ``embbench run`` writes)."""
+    for r in records:
+        write_record(directory, Cell(r.strategy, r.params, r.world_size).slug, r)
+    return directory

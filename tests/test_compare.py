@@ -1,0 +1,283 @@
+"""compare: deltas, the significance test, the regression gate, what makes runs incomparable,
+bad input; and the t-based confidence interval the records carry."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from importlib import metadata
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from record_factory import PROVENANCE, make_record, write_run
+
+from embbench.cli import main
+from embbench.compare import (
+    TEST, compare_records, load_runs, parse_percent, regressions, step_time_test, what_differs,
+)
+from embbench.metrics import confidence_interval
+from embbench.results import provenance
+
+
+def _steps(seconds: float, n: int = 30, spread: float = 0.05, seed: int = 0) -> list[float]:
+    """``n`` step times around ``seconds`` with a long right tail, as measured ones have."""
+    rng = np.random.default_rng(seed)
+    return (seconds * rng.lognormal(0.0, spread, n)).tolist()
+
+
+# -- the confidence interval ------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, t975", [(2, 12.7062), (3, 4.3027), (11, 2.2281), (31, 2.0423), (101, 1.9840), (1001, 1.9623)])
+def test_confidence_interval_uses_student_t_at_n_minus_1_degrees_of_freedom(n, t975):
+    values = [float(i % 7) for i in range(n - 1)] + [3.5]
+    low, high = confidence_interval(values)
+    half = (high - low) / 2
+    assert (low + high) / 2 == pytest.approx(statistics.fmean(values))
+    assert half / (statistics.stdev(values) / n ** 0.5) == pytest.approx(t975, abs=1e-4)
+
+
+def test_confidence_interval_needs_two_values():
+    assert confidence_interval([1.0]) is None
+
+
+# -- significance -----------------------------------------------------------------------------
+
+def test_a_clear_shift_in_step_times_is_significant():
+    sig = step_time_test(_steps(0.010, seed=1), _steps(0.011, seed=2))
+    assert sig.significant and sig.p_value < 0.001 and sig.test == TEST and (sig.n_before, sig.n_after) == (30, 30)
+
+
+def test_the_same_distribution_is_not_significant():
+    samples = _steps(0.010, seed=3)
+    sig = step_time_test(samples, list(reversed(samples)))
+    assert not sig.significant and sig.p_value == pytest.approx(1.0)
+
+
+def test_too_few_samples_give_no_verdict():
+    sig = step_time_test([0.01], [0.02, 0.03])
+    assert sig.p_value is None and sig.significant is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.001, 1.0), min_size=2, max_size=20), st.floats(1.5, 10.0))
+def test_a_uniform_slowdown_never_reads_as_a_speedup(samples, factor):
+    """Every step slower by the same factor: throughput drops and step time rises; where the
+    slowdown separates the two samples entirely, the rank test calls it significant."""
+    before = make_record(step_times=samples * 3, repeats=3)
+    after = make_record(step_times=[s * factor for s in samples * 3], repeats=3)
+    (cell,) = compare_records([before], [after])
+    assert cell.deltas["throughput"].direction == "worse" and cell.deltas["throughput"].relative < 0
+    assert cell.deltas["step_time"].direction == "worse" and cell.deltas["step_time"].relative == pytest.approx(factor - 1)
+    if max(samples) < factor * min(samples):  # every step of B slower than every step of A: n = 6+ each
+        assert cell.significance.significant
+
+
+# -- deltas and comparability -------------------------------------------------------------------
+
+def test_deltas_are_signed_relative_and_coloured_by_direction():
+    before = make_record(step_times=_steps(0.010), device_bytes=1000, host_bytes=100, hit_rate=0.8, auc=0.70)
+    after = make_record(step_times=_steps(0.008, seed=5), device_bytes=1500, host_bytes=100, hit_rate=0.9, auc=0.70)
+    (cell,) = compare_records([before], [after])
+    d = cell.deltas
+    assert cell.comparable
+    assert d["throughput"].relative > 0.2 and d["throughput"].direction == "better"
+    assert d["step_time"].relative < 0 and d["step_time"].direction == "better"
+    assert d["device_bytes"].relative == pytest.approx(0.5) and d["device_bytes"].direction == "worse"
+    assert d["host_bytes"].relative == 0 and d["host_bytes"].direction == "same"
+    assert d["hit_rate"].relative == pytest.approx(0.9 / 0.8 - 1) and d["hit_rate"].direction == "better"
+    assert d["auc"].direction == "same"
+
+
+def test_the_device_peak_is_compared_where_it_was_measured():
+    (cell,) = compare_records([make_record(device_bytes=100, peak_bytes=1000)], [make_record(device_bytes=100, peak_bytes=800)])
+    assert (cell.deltas["device_bytes"].before, cell.deltas["device_bytes"].after) == (1000, 800)
+
+
+def test_cells_are_matched_by_id_and_the_unmatched_are_listed():
+    a = [make_record("device"), make_record("cpu")]
+    b = [make_record("cpu"), make_record("freqcache", {"cache_ratio": 0.1})]
+    cells = {c.cell_id: c for c in compare_records(a, b)}
+    assert list(cells) == ["device@w1", "cpu@w1", "freqcache[cache_ratio=0.1]@w1"]  # the baseline's first
+    assert (cells["device@w1"].status_before, cells["device@w1"].status_after) == ("ok", None)
+    assert cells["cpu@w1"].comparable
+    assert cells["freqcache[cache_ratio=0.1]@w1"].status_before is None and not cells["freqcache[cache_ratio=0.1]@w1"].deltas
+
+
+def test_what_differs_names_the_scenario_the_versions_and_the_hardware():
+    other = json.loads(json.dumps(PROVENANCE))
+    other["versions"]["torch"] = "2.13.0"
+    other["devices"]["gpus"] = [{"name": "NVIDIA H200"}]
+    other["git"]["commit"] = "1" * 40  # a different commit is what one compares: not a difference
+    differs = what_differs(make_record(), make_record(digest="e" * 64, provenance=other))
+    assert differs == ["scenario digest: dddddddddd vs eeeeeeeeee", "torch: 2.11.0 vs 2.13.0",
+                       "gpus: ['NVIDIA H100 80GB HBM3'] vs ['NVIDIA H200']"]
+    (cell,) = compare_records([make_record()], [make_record(provenance=other)])
+    assert not cell.comparable and not cell.deltas and cell.significance is None
+
+
+def test_records_that_hold_only_gpu_names_compare_by_name():
+    names_only = json.loads(json.dumps(PROVENANCE))  # as written before provenance came from collect_env
+    names_only["devices"]["gpus"] = ["NVIDIA H100 80GB HBM3"]
+    assert what_differs(make_record(provenance=names_only), make_record()) == []
+    names_only["devices"]["gpus"] = ["NVIDIA H200"]
+    assert what_differs(make_record(provenance=names_only), make_record()) == [
+        "gpus: ['NVIDIA H200'] vs ['NVIDIA H100 80GB HBM3']"]
+
+
+def test_what_differs_names_the_strategys_package_version_and_ignores_what_only_one_recorded():
+    newer = json.loads(json.dumps(PROVENANCE))
+    newer["versions"]["strategy"] = "my_cache 0.2.0"
+    newest = json.loads(json.dumps(newer))
+    newest["versions"]["strategy"] = "my_cache 0.3.0"
+    assert what_differs(make_record(provenance=newer), make_record(provenance=newest)) == [
+        "strategy: my_cache 0.2.0 vs my_cache 0.3.0"]
+    assert what_differs(make_record(), make_record(provenance=newer)) == []  # the older record did not say
+
+
+def test_a_record_names_the_package_that_installs_its_strategy(plugin_path):
+    assert provenance("freqcache")["versions"]["strategy"] == f"embbench {metadata.version('embbench')}"
+    assert provenance("raises")["versions"]["strategy"] == "faulty_plugin 0.0"
+    assert "strategy" not in provenance()["versions"]
+
+
+# -- the regression gate ------------------------------------------------------------------------
+
+def test_a_significant_drop_beyond_the_threshold_fails_the_gate():
+    cells = compare_records([make_record(step_times=_steps(0.010, seed=1))], [make_record(step_times=_steps(0.0115, seed=2))])
+    (why,) = regressions(cells, 0.05)
+    assert why.startswith("device@w1: throughput -1") and "beyond -5%" in why
+    assert regressions(cells, 0.20) == []  # a 13% drop is within a 20% threshold
+
+
+def test_a_drop_within_the_noise_passes_the_gate():
+    # Three steps each, wildly spread: the mean drops by more than 5%, the rank test sees noise.
+    cells = compare_records([make_record(step_times=[0.010, 0.020, 0.030], repeats=1)],
+                            [make_record(step_times=[0.012, 0.021, 0.033], repeats=1)])
+    assert cells[0].deltas["throughput"].relative < -0.05 and not cells[0].significance.significant
+    assert regressions(cells, 0.05) == []
+
+
+def test_a_cell_that_ran_and_now_fails_fails_the_gate_and_an_unsupported_one_does_not():
+    before = [make_record("device"), make_record("cpu")]
+    after = [make_record("device", status="oom", message="CUDA out of memory"), make_record("cpu", status="unsupported")]
+    assert regressions(compare_records(before, after), 0.05) == ["device@w1: was ok, now oom"]
+
+
+@pytest.mark.parametrize("text, value", [("5%", 0.05), (" 12.5% ", 0.125), ("0%", 0.0)])
+def test_parse_percent(text, value):
+    assert parse_percent(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["5", "0.05", "five%", "100%", "-1%"])
+def test_parse_percent_rejects_what_is_not_a_percentage(text):
+    with pytest.raises(ValueError, match=f"--fail-on '{text}'"):
+        parse_percent(text)
+
+
+# -- the command --------------------------------------------------------------------------------
+
+@pytest.fixture
+def runs(tmp_path):
+    """A baseline, a run 13% slower in device@w1 (significant), and a run on other hardware."""
+    base = write_run(tmp_path / "base", [make_record("device", step_times=_steps(0.010, seed=1)),
+                                          make_record("cpu", step_times=_steps(0.020, seed=3))])
+    slower = write_run(tmp_path / "slower", [make_record("device", step_times=_steps(0.0115, seed=2)),
+                                             make_record("cpu", step_times=_steps(0.020, seed=4))])
+    other = json.loads(json.dumps(PROVENANCE))
+    other["devices"]["gpus"] = [{"name": "NVIDIA H200"}]
+    elsewhere = write_run(tmp_path / "elsewhere", [make_record("device", provenance=other)])
+    return base, slower, elsewhere
+
+
+def test_compare_prints_deltas_names_the_test_and_exits_0_without_a_gate(runs, capsys):
+    base, slower, _ = runs
+    assert main(["compare", str(base), str(slower)]) == 0
+    out = capsys.readouterr().out
+    assert "device@w1" in out and "cpu@w1" in out and "Mann-Whitney U" in out
+    assert "-1" in out and "yes p=" in out
+
+
+def test_compare_fail_on_exits_1_on_a_significant_drop_and_0_within_the_threshold(runs, capsys):
+    base, slower, _ = runs
+    assert main(["compare", str(base), str(slower), "--fail-on", "5%"]) == 1
+    assert "regression beyond 5%" in capsys.readouterr().out
+    assert main(["compare", str(base), str(slower), "--fail-on", "20%"]) == 0
+    assert main(["compare", str(base), str(base / "device@w1.json"), "--fail-on", "1%"]) == 0
+
+
+def test_compare_json(runs, capsys):
+    base, slower, elsewhere = runs
+    assert main(["compare", str(base), str(slower), str(elsewhere), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["test"] == TEST and data["fail_on"] is None and data["baseline_run"] == str(base)
+    assert [r["run"] for r in data["runs"]] == [str(slower), str(elsewhere)]
+    device = data["runs"][0]["cells"][0]
+    assert device["cell_id"] == "device@w1" and device["comparable"] and device["significance"]["significant"]
+    assert device["deltas"]["throughput"]["relative"] < -0.05
+    far = data["runs"][1]["cells"][0]
+    assert not far["comparable"] and far["differences"] == ["gpus: ['NVIDIA H100 80GB HBM3'] vs ['NVIDIA H200']"]
+    assert main(["compare", str(base), str(slower), "--json", "--fail-on", "5%"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["fail_on"] == 0.05 and data["regressions"][0].startswith("device@w1: throughput")
+
+
+def test_compare_says_what_is_not_comparable(runs, capsys):
+    base, _, elsewhere = runs
+    assert main(["compare", str(base), str(elsewhere)]) == 0
+    out = capsys.readouterr().out
+    assert "not comparable" in out and "gpus: ['NVIDIA H100 80GB HBM3'] vs ['NVIDIA H200']" in out
+    # a gate that can check nothing does not pass silently
+    assert main(["compare", str(base), str(elsewhere), "--fail-on", "5%"]) == 2
+    assert "no cell is comparable" in capsys.readouterr().err
+
+
+# -- bad input: one line, exit 2 ------------------------------------------------------------------
+
+def _error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def test_a_missing_run_directory(tmp_path, runs, capsys):
+    assert "no such run directory" in _error(["compare", str(runs[0]), str(tmp_path / "nope")], capsys)
+
+
+def test_a_directory_that_is_not_a_run(tmp_path, runs, capsys):
+    (tmp_path / "empty").mkdir()
+    assert "not a run directory" in _error(["compare", str(runs[0]), str(tmp_path / "empty")], capsys)
+
+
+def test_a_run_given_twice(runs, capsys):
+    base = runs[0]
+    assert "given twice" in _error(["compare", str(base), str(base.parent / ".." / base.parent.name / "base")], capsys)
+
+
+def test_records_of_another_schema_version(tmp_path, runs, capsys):
+    data = json.loads((runs[0] / "device@w1.json").read_text())
+    data["schema_version"] = 99
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "device@w1.json").write_text(json.dumps(data))
+    err = _error(["compare", str(runs[0]), str(tmp_path / "old")], capsys)
+    assert "device@w1.json: schema_version 99, expected 1" in err
+
+
+def test_a_record_that_is_not_one(tmp_path, runs, capsys):
+    data = json.loads((runs[0] / "device@w1.json").read_text())
+    del data["cell_id"]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "device@w1.json").write_text(json.dumps(data))
+    assert "device@w1.json: cell_id: Field required" in _error(
+        ["compare", str(runs[0]), str(tmp_path / "broken")], capsys)
+
+
+def test_a_malformed_threshold(runs, capsys):
+    assert "--fail-on '5': expected a percentage" in _error(["compare", str(runs[0]), str(runs[1]), "--fail-on", "5"], capsys)
+
+
+def test_load_runs_keeps_the_order_given(runs):
+    loaded = load_runs([runs[1], runs[0]])
+    assert [r.path for r in loaded] == [runs[1], runs[0]] and {r.cell_id for r in loaded[0].records} == {"device@w1", "cpu@w1"}

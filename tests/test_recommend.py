@@ -1,0 +1,158 @@
+"""recommend: the fastest measured cell that fits a budget, why the others do not, and which
+cells to run when the records do not cover the budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from record_factory import make_record, write_run
+
+from embbench.cli import main
+from embbench.recommend import Budget, parse_size, recommend
+
+MiB = 1 << 20
+
+
+def _cache(ratio: float, seconds: float, device_bytes: int, **kw):
+    return make_record("freqcache", {"cache_ratio": ratio, "policy": "lfu"}, step_times=[seconds] * 6 + [seconds * 1.01] * 6,
+                       device_bytes=device_bytes, host_bytes=64 * MiB, **kw)
+
+
+@pytest.mark.parametrize("text, size", [("16GiB", 16 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                        ("123456", 123456), (" 2 GiB ", 2 << 30), ("80gb", 80_000_000_000)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["16XB", "lots", "-5GiB", "0", ""])
+def test_parse_size_rejects_what_is_not_a_size_naming_the_flag(text):
+    with pytest.raises(ValueError, match=f"--device-memory {text!r}"):
+        parse_size(text, "--device-memory")
+
+
+def test_the_fastest_cell_that_fits_wins_and_the_others_say_why_not():
+    records = [
+        make_record("device", step_times=[0.005] * 12, device_bytes=900 * MiB),
+        make_record("cpu", step_times=[0.030] * 6 + [0.031] * 6, device_bytes=0, host_bytes=800 * MiB),
+        _cache(0.05, 0.010, 100 * MiB),
+        _cache(0.20, 0.008, 300 * MiB),
+        make_record("uvm", status="unsupported", message="needs CUDA\nmore detail"),
+        make_record("gpu_sharded", status="oom", message="CUDA out of memory"),
+    ]
+    (rec,) = recommend(records, Budget(512 * MiB))
+    assert rec.world_size == 1 and rec.best.cell_id == "freqcache[cache_ratio=0.2,policy=lfu]@w1"
+    assert [c.cell_id for c in rec.runners_up] == ["freqcache[cache_ratio=0.05,policy=lfu]@w1", "cpu@w1"]
+    assert rec.runners_up[0].relative_to_best == pytest.approx(0.008 / 0.010 - 1, rel=0.01)
+    assert rec.runners_up[0].significant and rec.runners_up[0].p_value < 0.05
+    assert rec.excluded == {
+        "device@w1": "needs 900.00 MiB device memory per rank, 388.00 MiB over the budget",
+        "uvm@w1": "status unsupported: needs CUDA",
+        "gpu_sharded@w1": "status oom: CUDA out of memory",
+    }
+
+
+def test_the_measured_device_peak_counts_where_there_is_one():
+    (rec,) = recommend([make_record("device", device_bytes=100 * MiB, peak_bytes=600 * MiB)], Budget(512 * MiB))
+    assert rec.best is None and "needs 600.00 MiB device memory" in rec.excluded["device@w1"]
+    assert rec.notes == ["no measured cell qualifies; the smallest needs 600.00 MiB device memory per rank"]
+
+
+def test_a_host_budget_counts_all_ranks_together():
+    records = [make_record("cpu", world_size=2, device_bytes=0, host_bytes=300 * MiB, baseline="cpu")]
+    (rec,) = recommend(records, Budget(1 << 30, host_bytes=512 * MiB))
+    assert rec.excluded == {"cpu@w2": "needs 600.00 MiB host memory, 88.00 MiB over the budget"}
+
+
+def test_a_cell_less_accurate_than_the_baseline_beyond_the_tolerance_is_left_out():
+    records = [make_record("device", step_times=[0.02] * 12, auc=0.750),
+               make_record("cpu", step_times=[0.01] * 12, auc=0.745, device_bytes=0),
+               _cache(0.1, 0.015, 1 * MiB, auc=0.7495)]
+    (rec,) = recommend(records, Budget(16 << 30), auc_tolerance=0.001)
+    assert rec.best.cell_id == "freqcache[cache_ratio=0.1,policy=lfu]@w1"
+    assert rec.excluded == {"cpu@w1": "AUC 0.7450 is 0.0050 below the baseline's 0.7500 (tolerance 0.001)"}
+    (loose,) = recommend(records, Budget(16 << 30), auc_tolerance=0.01)
+    assert loose.best.cell_id == "cpu@w1"
+
+
+def test_without_a_baseline_auc_accuracy_is_not_checked_and_it_says_so():
+    records = [make_record("device", status="oom"), make_record("cpu", auc=0.5, device_bytes=0)]
+    (rec,) = recommend(records, Budget(1 << 30))
+    assert rec.best.cell_id == "cpu@w1"
+    assert any(n.startswith("accuracy not checked") for n in rec.notes)
+
+
+def test_each_world_size_gets_its_own_answer():
+    records = [make_record("device", step_times=[0.02] * 12), make_record("device", world_size=2, step_times=[0.01] * 12)]
+    recs = recommend(records, Budget(16 << 30))
+    assert [(r.world_size, r.best.cell_id) for r in recs] == [(1, "device@w1"), (2, "device@w2")]
+
+
+# -- cells to run where the records do not cover the budget ----------------------------------------
+
+def test_every_measured_cache_too_big_suggests_the_largest_ratio_that_fits():
+    # device bytes = 10 MiB + ratio * 1000 MiB, measured at 0.1 and 0.2; 60 MiB fits ratio 0.05
+    records = [_cache(0.1, 0.01, 110 * MiB), _cache(0.2, 0.009, 210 * MiB)]
+    (rec,) = recommend(records, Budget(60 * MiB), run_dir="results/runs/x")
+    assert rec.best is None
+    (s,) = rec.suggestions
+    assert s.family == "freqcache[policy=lfu,cache_ratio=?]@w1" and s.cache_ratio == pytest.approx(0.05)
+    assert "a line through 2 measured ratios: 10.00 MiB + 10.00 MiB per 0.01" in s.basis
+    assert s.command == ("add 0.05 to freqcache's cache_ratio list in scenarios/smoke.yaml, then embbench run "
+                         "scenarios/smoke.yaml --strategies freqcache --out results/runs/x --resume")
+
+
+def test_a_suggested_ratio_is_rounded_down_so_that_it_fits():
+    records = [_cache(0.1, 0.01, 110 * MiB), _cache(0.2, 0.009, 210 * MiB)]
+    (rec,) = recommend(records, Budget(68 * MiB))  # exactly 0.058
+    assert rec.suggestions[0].cache_ratio == pytest.approx(0.058)
+    (rec,) = recommend(records, Budget(68 * MiB - 1))  # just below 0.058
+    assert rec.suggestions[0].cache_ratio == pytest.approx(0.057)
+
+
+def test_one_measured_ratio_gives_a_proportional_estimate_marked_optimistic():
+    (rec,) = recommend([_cache(0.1, 0.01, 100 * MiB, extra={"capacity_rows": 1000})], Budget(50 * MiB))
+    (s,) = rec.suggestions
+    assert s.cache_ratio == pytest.approx(0.05) and "optimistic" in s.basis
+    assert "about 104,858 bytes per cached row" in s.basis  # 100 MiB / 1000 rows
+
+
+def test_room_for_a_much_larger_cache_than_the_winner_suggests_measuring_it():
+    records = [make_record("cpu", step_times=[0.05] * 12, device_bytes=0), _cache(0.01, 0.02, 20 * MiB), _cache(0.02, 0.01, 30 * MiB)]
+    (rec,) = recommend(records, Budget(100 * MiB))  # 10 MiB + 1000 MiB * ratio: 0.09 fits
+    assert rec.best.cell_id == "freqcache[cache_ratio=0.02,policy=lfu]@w1"
+    assert [s.cache_ratio for s in rec.suggestions] == [pytest.approx(0.09)]
+    (covered,) = recommend(records, Budget(35 * MiB))  # only 0.025 would fit: no news
+    assert covered.suggestions == []
+
+
+def test_a_cache_whose_fixed_part_exceeds_the_budget_is_said_not_to_fit_at_any_ratio():
+    (rec,) = recommend([_cache(0.1, 0.01, 110 * MiB), _cache(0.2, 0.009, 210 * MiB)], Budget(5 * MiB))
+    assert rec.suggestions == []
+    assert "freqcache[policy=lfu,cache_ratio=?]@w1: its fixed device memory (about 10.00 MiB) exceeds the budget at any cache_ratio" in rec.notes
+
+
+# -- the command --------------------------------------------------------------------------------
+
+def test_recommend_prints_the_answer(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [make_record("device", step_times=[0.005] * 12, device_bytes=900 * MiB),
+                                       _cache(0.05, 0.010, 100 * MiB), _cache(0.20, 0.008, 300 * MiB)])
+    assert main(["recommend", str(run), "--device-memory", "512MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: freqcache[cache_ratio=0.2,policy=lfu]@w1" in out
+    assert "runners-up" in out and "388.00 MiB over the budget" in out
+    assert main(["recommend", str(run), "--device-memory", "16GiB", "--json"]) == 0
+    (data,) = json.loads(capsys.readouterr().out)
+    assert data["best"]["cell_id"] == "device@w1" and data["excluded"] == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-memory", "16XB"], "--device-memory '16XB': expected a size"),
+    (["--device-memory", "1GiB", "--host-memory", "many"], "--host-memory 'many': expected a size"),
+    (["--device-memory", "1GiB", "--auc-tolerance", "-1"], "--auc-tolerance -1.0: must be 0 or more"),
+])
+def test_recommend_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    run = write_run(tmp_path / "run", [make_record("device")])
+    assert main(["recommend", str(run), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

@@ -1,0 +1,143 @@
+"""report: one self-contained HTML file with the tables and plots, rendered by a real browser."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from record_factory import make_record, write_run
+
+from embbench.cli import main
+from embbench.compare import Run
+from embbench.html_report import pareto_front, strategy_colours
+
+MiB = 1 << 20
+
+
+def _per_rank(ranks: int) -> list[dict]:
+    return [{"rank": r, "memory": {"static_device_bytes": (r + 1) * MiB, "static_host_bytes": 2 * MiB, "pinned_bytes": 0},
+             "counters": {"bytes_comm": 1000 * (r + 1)}, "extra": {}, "hit_rate": 0.5 + 0.1 * r, "unique_hit_rate": None}
+            for r in range(ranks)]
+
+
+def _records(seconds: float = 0.01) -> list:
+    profile = {"trace": "device@w1.trace.json", "steps": 3,
+               "top_host": [{"op": "aten::mm", "calls": 7.0, "self_cpu_us": 1234.5, "self_device_us": 0.0}], "top_device": []}
+    return [
+        make_record("device", step_times=[seconds] * 12, device_bytes=64 * MiB, profile=profile),
+        make_record("cpu", step_times=[3 * seconds] * 12, device_bytes=0, host_bytes=64 * MiB),
+        *[make_record("freqcache", {"cache_ratio": ratio}, step_times=[seconds * (2 - ratio)] * 12, device_bytes=int(ratio * 64 * MiB),
+                      hit_rate=0.8 + ratio / 10, unique_hit_rate=0.3 + ratio / 10,
+                      extra={"belady_hit_rate": 0.85 + ratio / 10, "belady_unique_hit_rate": 0.4 + ratio / 10, "capacity_rows": 10})
+          for ratio in (0.01, 0.1, 0.5)],
+        make_record("device", world_size=2, step_times=[seconds / 2] * 12, device_bytes=32 * MiB, per_rank=_per_rank(2)),
+        make_record("uvm", status="unsupported", message="needs CUDA"),
+    ]
+
+
+@pytest.fixture
+def report(tmp_path):
+    a = write_run(tmp_path / "a", _records())
+    b = write_run(tmp_path / "b", _records(0.012))
+    out = tmp_path / "report.html"
+    assert main(["report", str(a), str(b), "--out", str(out)]) == 0
+    return out
+
+
+def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
+    text = report.read_text()
+    # nothing fetched from elsewhere: every image is inline, no external script or sheet
+    assert not re.search(r"(src|href)=\"(?!data:)", text) and "<script" not in text
+    images = re.findall(r'<img alt="" src="data:image/png;base64,[A-Za-z0-9+/=]+">', text)
+    # throughput/memory per run (2), hit rates (1), step times (1), per-rank bars of the 2-rank cell per run (2)
+    assert len(images) == 6
+    for heading in ("Results", "Comparison against", "Throughput against device memory", "Hit rate against Belady",
+                    "Step times", "Per rank", "Top operators"):
+        assert heading in text
+    assert "freqcache[cache_ratio=0.1]@w1" in text and "Mann-Whitney U" in text and "aten::mm" in text
+
+
+def test_a_report_without_caches_or_ranks_says_there_is_nothing_to_plot(tmp_path):
+    run = write_run(tmp_path / "a", [make_record("device")])
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.count("<img") == 2  # throughput/memory, step times
+    assert text.count("nothing to plot") == 2 and "Comparison against" not in text
+
+
+def _browser() -> str | None:
+    return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+@pytest.mark.skipif(_browser() is None, reason="no chromium binary on PATH (apt-get install chromium)")
+def test_the_report_renders_in_headless_chromium(report, tmp_path):
+    from PIL import Image
+
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run([_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--window-size=1200,2400", f"--screenshot={shot}", report.resolve().as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert shot.exists(), proc.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
+    colours = np.unique(pixels, axis=0)
+    assert len(colours) > 50  # text, tables and plots, not a blank page
+    not_white = (pixels < 250).any(axis=1).mean()
+    assert 0.01 < not_white < 0.9
+
+
+@pytest.mark.parametrize("where, message", [("missing/report.html", "no such directory"), (".", "is a directory"),
+                                            ("x" * 300 + ".html", "File name too long")])
+def test_an_unwritable_out_is_one_line_and_exit_2(tmp_path, capsys, where, message):
+    run = write_run(tmp_path / "a", [make_record("device")])
+    assert main(["report", str(run), "--out", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_read_only_out_is_one_line_and_exit_2(tmp_path, capsys):
+    import os
+
+    run = write_run(tmp_path / "a", [make_record("device")])
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who may write anywhere (root): a read-only directory does not stop it")
+        assert main(["report", str(run), "--out", str(locked / "r.html")]) == 2
+        assert "not writable" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+def test_the_same_run_twice_is_refused(tmp_path, capsys):
+    run = write_run(tmp_path / "a", [make_record("device")])
+    assert main(["report", str(run), str(run), "--out", str(tmp_path / "r.html")]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=30))
+def test_the_pareto_front_is_exactly_the_undominated_points(points):
+    front = pareto_front(points)
+
+    def dominates(p, q):
+        return p[0] <= q[0] and p[1] >= q[1] and p != q
+
+    for i, p in enumerate(points):
+        beaten = any(dominates(q, p) for q in points)
+        assert (i in front) == (not beaten)
+    assert [points[i][0] for i in front] == sorted(points[i][0] for i in front)
+
+
+def test_a_strategy_has_one_colour_in_every_run_of_a_report(tmp_path):
+    full = Run(tmp_path / "a", [make_record("device"), make_record("cpu"), make_record("freqcache", {"cache_ratio": 0.1})])
+    fewer = Run(tmp_path / "b", [make_record("device"), make_record("freqcache", {"cache_ratio": 0.1})])
+    colours = strategy_colours([full, fewer])
+    assert set(colours) == {"device", "cpu", "freqcache"} and len(set(colours.values())) == 3
+    assert strategy_colours([fewer, full]) == colours
