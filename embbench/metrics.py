@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["belady_hit_rate", "StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes",
+__all__ = ["belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes",
            "device_memory", "OpCounter", "miss_rate", "warmed_up"]
 
 
@@ -175,7 +175,14 @@ def device_memory(device: torch.device) -> dict[str, int | None]:
 
 
 def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0, prefilled: bool = False) -> float | None:
-    """The hit rate per access of Belady's MIN on this id stream at this capacity.
+    """The hit rate per access of Belady's MIN (see :func:`belady_hit_rates`)."""
+    return belady_hit_rates(steps, capacity, skip, prefilled)[0]
+
+
+def belady_hit_rates(steps: list[Tensor], capacity: int, skip: int = 0,
+                     prefilled: bool = False) -> tuple[float | None, float | None]:
+    """The hit rates of Belady's MIN on this id stream at this capacity: per access, and per
+    distinct row of each step (what a perfect cache would have to move).
 
     Rows are counted once per step (a step's repeated ids of a row share its fate), MIN with
     bypass: after each step the cache keeps the rows whose next use comes soonest, so a
@@ -201,14 +208,16 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0, prefilled
             upcoming[row] = t
     cached: dict[int, int] = {}  # row -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, row); stale entries are skipped
-    hits = accesses = 0
+    hits = accesses = distinct_hits = distinct = 0
     for t, rows in enumerate(unique_counts):
         counted = t >= skip
+        distinct += len(rows) if counted else 0
         missing: list[int] = []
         for row, count in rows.items():
             accesses += count if counted else 0
             if row in cached:
                 hits += count if counted else 0
+                distinct_hits += counted
                 cached[row] = next_use[t][row]
                 heapq.heappush(heap, (-next_use[t][row], row))
             else:
@@ -218,6 +227,7 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0, prefilled
         for row in sorted(missing, key=lambda r: next_use[t][r]):
             if len(cached) < capacity and prefilled and counted:
                 hits += rows[row]
+                distinct_hits += 1
             if len(cached) >= capacity:
                 while cached.get(heap[0][1]) != -heap[0][0]:
                     heapq.heappop(heap)  # stale
@@ -226,4 +236,6 @@ def belady_hit_rate(steps: list[Tensor], capacity: int, skip: int = 0, prefilled
                 del cached[heapq.heappop(heap)[1]]
             cached[row] = next_use[t][row]
             heapq.heappush(heap, (-next_use[t][row], row))
-    return hits / accesses if accesses else None
+    if not accesses:
+        return None, None
+    return hits / accesses, distinct_hits / distinct

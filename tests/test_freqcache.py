@@ -1,6 +1,7 @@
 """freqcache against the whole-table reference: same outputs and weights, under any id
 stream, cache size, policy and prefetch setting; consistent counters and maps."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -63,11 +64,12 @@ def streams(draw):
 
 
 def _check_maps(cache: FreqCache) -> None:
-    c, n = cache.capacity, cache.num_rows
-    occupied = cache.slot_to_row[:c] < n
-    rows = cache.slot_to_row[:c][occupied]
-    assert torch.equal(cache.row_to_slot[rows], torch.arange(c)[occupied]), "row_to_slot is not slot_to_row's inverse"
-    assert int((cache.row_to_slot[:n] >= 0).sum()) == int(occupied.sum())
+    p = cache.planner
+    occupied = np.flatnonzero(p.slot_row >= 0)
+    assert np.array_equal(p.row_slot[p.slot_row[occupied]], occupied), "row_slot is not slot_row's inverse"
+    assert int((p.row_slot >= 0).sum()) == len(occupied)
+    assert int(p.slot_cached.sum()) == p.num_cached <= cache.capacity
+    assert not (p.slot_cached & (p.slot_row < 0)).any(), "an empty slot counts as cached"
 
 
 @settings(max_examples=100, deadline=None)
@@ -80,6 +82,7 @@ def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, pol
     reference = WholeTables(_context(tables, opt, batches))
     params = FreqCacheParams(cache_ratio=ratio, policy=policy, prefetch=prefetch, profile_batches=profile, belady_steps=3)
     cache = FreqCache(_context(tables, opt, batches), params)
+    preloaded = cache.planner.num_cached
     expected = _train(reference, batches, prefetch=False)
     got = _train(cache, batches, prefetch=prefetch)
     for a, b in zip(got, expected):
@@ -87,11 +90,10 @@ def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, pol
     _check_maps(cache)
     counters = cache.counters()
     assert counters["hits"] + counters["misses"] == counters["accesses"] == sum(b.values.numel() for b in batches)
-    occupancy = int((cache.slot_to_row[: cache.capacity] < cache.num_rows).sum())
-    assert counters["rows_admitted"] - counters["rows_evicted"] == occupancy - cache.capacity
+    assert counters["rows_admitted"] - counters["rows_evicted"] == cache.planner.num_cached - preloaded
     for a, b in zip(cache.flush(), reference.flush()):
         torch.testing.assert_close(a, b)
-    assert not bool(cache.slot_dirty.any()), "flush left dirty rows"
+    assert not cache.planner.slot_dirty.any(), "flush left dirty rows"
 
 
 def test_a_batch_larger_than_the_cache_trains_through_the_bypass():
@@ -113,16 +115,15 @@ def test_optimizer_state_travels_with_evicted_rows():
     ids = [[0, 1], [2, 3], [0, 1], [4, 5], [0, 2]]
     batches = [SparseFeatures(torch.tensor(i), torch.ones(2, dtype=torch.long), 1) for i in ids]
     opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.5)
-    cache = FreqCache(_context(tables, opt, batches), FreqCacheParams(cache_ratio=0.25, profile_batches=0, policy="static"))
+    cache = FreqCache(_context(tables, opt, batches),
+                      FreqCacheParams(cache_ratio=0.25, profile_batches=0, policy="static", admission="all"))
     reference = WholeTables(_context(tables, opt, batches))
     _train(cache, batches, False)
     _train(reference, batches, False)
     assert cache.counters()["rows_evicted"] > 0 and cache.counters()["rows_written_back"] > 0
     for a, b in zip(cache.flush(), reference.flush()):
         torch.testing.assert_close(a, b)
-    host_state_by_row = torch.empty(8)
-    host_state_by_row[cache.row_of_rank] = cache.host_state[:8, 0]
-    torch.testing.assert_close(host_state_by_row, reference.store.state[:, 0])
+    torch.testing.assert_close(cache.host[:, 4], reference.store.state[:, 0])
 
 
 def test_prefetch_never_evicts_the_rows_the_current_step_uses():
@@ -184,7 +185,9 @@ def test_freqcache_in_the_runner_matches_device_and_reports_its_bound(tmp_path):
     for a, b in zip(weights, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     extra = metrics["extra"]
-    assert 0 < extra["window_hit_rate"] <= extra["belady_hit_rate"] + 1e-9 <= 1.0 + 1e-9
+    # MIN is the optimum per distinct row; per access (weighted by repeats) it is only close.
+    assert 0 < extra["window_unique_hit_rate"] <= extra["belady_unique_hit_rate"] + 1e-9 <= 1.0 + 1e-9
+    assert 0 < extra["window_hit_rate"] <= 1 and abs(extra["window_hit_rate"] - extra["belady_hit_rate"]) < 0.1
     counters = metrics["counters"]["total"]
     assert counters["hits"] + counters["misses"] == counters["accesses"]
     assert metrics["counters"]["per_step"]["bytes_h2d"] > 0

@@ -1,109 +1,79 @@
-"""A frequency-aware software cache of embedding rows on the compute device.
+"""A frequency-aware software cache of embedding rows on the compute device (freqcache v2).
 
-The full tables, with their optimizer state, stay in host memory; the device holds
-``capacity`` rows of all tables (one shared cache). A profile of training batches ranks
-the rows by frequency, and the host copy is stored in rank order, so a row's index is its
-rank: warm-up preloads the hottest ``capacity`` rows, and the ``static`` policy evicts the
-coldest cached row by rank. The ``lfu`` policy starts from the profile's counts, counts
-every training access, and keeps the counts across eviction.
+The full tables, with their optimizer state side by side (``[rows, dim + state]``), stay in
+host memory (pinned on CUDA). The device holds one fused row space for all tables: a slot
+tensor of weights and one of optimizer state, indexed by slot, so a step does one lookup
+and one optimizer update whatever the number of tables.
 
-Each step the batch's rows are resolved to cache slots with fixed-size tensor ops (no
-data-dependent shapes): sort the ids, find the first occurrence of each missing row, pick
-victims with ``topk`` over slot priorities (slots this batch or the prefetched one uses
-are excluded), write dirty victims (row *and* optimizer state) back, load the missing rows
-(row and state), and update the two maps. Writes that a fixed-size op must do anyway go to
-a trash slot / trash row at the end of each array. Counters are device tensors, read only
-when asked for.
+Which row sits in which slot is decided on the host by :class:`~embbench.cache.policy.SlotPlanner`
+(LFU over a count-min sketch with decay, eviction by frequency and look-ahead, TinyLFU
+admission). The planner needs the batch's ids on the host: ids of the batches the runner
+looks ahead to are copied there early (on their own stream on CUDA), so planning reads no
+device value in steady state. Each plan then moves rows as contiguous staged blocks:
+dirty victims are gathered on the device and copied to a pinned buffer (applied to the
+host table before the next gather), missing rows are gathered on the host into a pinned
+buffer and copied in, all on a side stream on CUDA. The CPU runs the same code, with plain
+buffers and synchronous copies.
 
-A batch whose distinct rows cannot all be cached (more than the free capacity) is trained
-through an explicit bypass: its uncached rows are gathered from the host, updated with the
-same math, and written back; nothing is admitted.
+The next batch is planned and moved while the current one computes (``prefetch``); the
+current batch's slots are kept, so nothing a running step uses is evicted or overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 from torch import Tensor
 
+from embbench.cache.policy import Plan, SlotPlanner
 from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
-from embbench.metrics import belady_hit_rate
+from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
 
 __all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy"]
 
-_COUNTER_NAMES = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted",
-                  "rows_evicted", "rows_written_back", "bytes_h2d", "bytes_d2h")
-
 
 class FreqCacheParams(StrategyParams):
     cache_ratio: float = Field(0.015, gt=0, le=1, description="share of all rows held on the device")
-    policy: Literal["static", "lfu"] = Field("lfu", description="evict by profile rank, or by counts that survive eviction")
-    profile_batches: int = Field(32, ge=0, description="training batches profiled for frequency ranks")
-    prefetch: bool = Field(True, description="admit the next batch's rows while this one computes")
+    policy: Literal["static", "lfu"] = Field("lfu", description="frequencies from the profile only, or counted as training goes")
+    admission: Literal["all", "tinylfu"] = Field("tinylfu", description="admit every missing row, or only one more frequent than its victim")
+    lookahead: int = Field(8, ge=0, description="upcoming training batches whose rows are evicted last (and whose ids reach the host early)")
+    decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
+    profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
+    prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
     belady_steps: int = Field(64, ge=0, description="training steps recorded for the Belady bound (0: off)")
 
 
-def _alloc_host(shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """Host memory the compute device can read and write without the CPU.
+@dataclass
+class _Upcoming:
+    """A looked-ahead batch: its global rows on the host (once its copy is done)."""
 
-    On CUDA, fbgemm's host-mapped unified tensor (zero-copy over PCIe, so gathers and
-    write-backs are device kernels with no host synchronisation); on the CPU, plain memory.
-    """
-    if device.type == "cuda":
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-
-        proto = torch.empty(0, device=device)
-        return torch.ops.fbgemm.new_unified_tensor(proto, list(shape), True).zero_()
-    return torch.zeros(shape)
+    values: Tensor  # the batch's ids tensor, held so that its identity stays unique
+    rows: Tensor  # global rows on the host (pinned on CUDA)
+    copied: torch.cuda.Event | None
+    unique: tuple[np.ndarray, np.ndarray] | None = None
+    expected: bool = False
 
 
-class _CacheStore(RowStore):
-    """The cache slots as a RowStore: backward marks updated slots dirty."""
+@dataclass
+class _Buffers:
+    """Pinned host buffers, two of each used in turn, with the event of the copy that last
+    read or wrote each (none on the CPU)."""
 
-    def __init__(self, cache: "FreqCache"):
-        super().__init__(cache.cache_weights, cache.cache_state, cache.optimizer)
-        self.cache = cache
-
-    def apply_gradient(self, rows: Tensor, offsets: Tensor, grad_pooled: Tensor) -> None:
-        super().apply_gradient(rows, offsets, grad_pooled)
-        self.cache.slot_dirty[rows] = True
-
-
-class _BypassStore(RowStore):
-    """The distinct rows of a batch too large to cache, gathered from the cache or the host.
-
-    Index ``i`` is ``rows[i]``; after the update each row goes back where it came from
-    (cached slots are protected, so they are still there), and nothing is admitted.
-    """
-
-    def __init__(self, cache: "FreqCache", rows: Tensor):
-        c = cache
-        self.cache, self.slot = cache, c.row_to_slot[rows].long()
-        self.cached = self.slot >= 0
-        self.host_rows = rows[~self.cached].to(c.host_weights.device)
-        weights = torch.empty(rows.numel(), c.cache_weights.shape[1], device=c.device)
-        state = torch.empty(rows.numel(), c.cache_state.shape[1], device=c.device)
-        weights[self.cached] = c.cache_weights[self.slot[self.cached]]
-        state[self.cached] = c.cache_state[self.slot[self.cached]]
-        weights[~self.cached] = c.host_weights[self.host_rows].to(c.device)
-        state[~self.cached] = c.host_state[self.host_rows].to(c.device)
-        super().__init__(weights, state, c.optimizer)
-
-    def apply_gradient(self, rows: Tensor, offsets: Tensor, grad_pooled: Tensor) -> None:
-        super().apply_gradient(rows, offsets, grad_pooled)
-        c, slots = self.cache, self.slot[self.cached]
-        c.cache_weights[slots] = self.weights[self.cached]
-        c.cache_state[slots] = self.state[self.cached]
-        c.slot_dirty[slots] = True
-        c.host_weights[self.host_rows] = self.weights[~self.cached].to(c.host_weights.device)
-        c.host_state[self.host_rows] = self.state[~self.cached].to(c.host_state.device)
+    rows_in: list[Tensor]
+    index: list[Tensor]
+    rows_out: Tensor
+    events: dict[tuple[str, int], torch.cuda.Event] = field(default_factory=dict)
 
 
 class FreqCache(SparseModule):
@@ -112,258 +82,268 @@ class FreqCache(SparseModule):
     def __init__(self, ctx: BuildContext, params: FreqCacheParams):
         super().__init__()
         self.params = params
+        self.lookahead = params.lookahead if params.prefetch else 0
         self.space = RowSpace(ctx.tables)
         self.device = ctx.env.device
+        self.cuda = self.device.type == "cuda"
         self.optimizer: EmbeddingOptimizer = ctx.optimizer
         n, dim, width = self.space.num_rows, self.space.dim, ctx.optimizer.state_width
-        self.num_rows = n
-        self.capacity = c = max(1, min(n, math.ceil(params.cache_ratio * n)))
+        self.num_rows, self.dim = n, dim
+        self.capacity = max(1, min(n, math.ceil(params.cache_ratio * n)))
         self.row_bytes = (dim + width) * 4
+        self.max_ids = ctx.local_batch_size * sum(t.bag_size for t in ctx.tables)
+        self.planner = SlotPlanner(n, self.capacity, self.max_ids, params.admission, learn=params.policy == "lfu",
+                                   decay_every=params.decay_every)
 
-        # Frequency profile of training batches only (BuildContext never offers eval data).
-        counts = torch.zeros(n, dtype=torch.long, device=self.device)
+        # Host table: each row beside its optimizer state, so one gather moves both.
+        self.host = torch.zeros(n, dim + width, pin_memory=self.cuda)
+        self.space.fill_initial(self.host[:, :dim], ctx.init_weights)
+        slots = self.planner.num_slots
+        self.cache_weights = torch.zeros(slots, dim, device=self.device)
+        self.cache_state = torch.zeros(slots, width, device=self.device)
+        self.store = RowStore(self.cache_weights, self.cache_state, self.optimizer)
+
+        # Frequency profile of training batches only (BuildContext never offers eval data);
+        # the most frequent rows are preloaded.
+        profiled = []
         for batch in ctx.train_batches(params.profile_batches):
-            rows = self.space.global_rows(batch.sparse.to(self.device))
-            counts.index_add_(0, rows, torch.ones_like(rows))
-        order = torch.sort(counts, descending=True, stable=True).indices  # rank -> global row
-        # Per-row maps are what a cache pays for every row of the tables: int32, and the
-        # inverse permutation (needed only to flush) on the host.
-        self.rank_of_row = torch.empty(n, dtype=torch.int32, device=self.device)
-        self.rank_of_row[order] = torch.arange(n, dtype=torch.int32, device=self.device)
-        self.row_of_rank = order.cpu()
+            rows = self.space.global_rows(batch.sparse.to(self.device)).cpu().numpy()
+            self.planner.sketch.add(np.unique(rows))
+            profiled.append(rows)
+        if profiled:
+            rows, counts = np.unique(np.concatenate(profiled), return_counts=True)
+            hot = rows[np.argsort(-counts, kind="stable")][: self.capacity]
+        else:
+            hot = np.arange(self.capacity)
+        preload = torch.from_numpy(self.planner.preload(hot))
+        warm = self.host[torch.from_numpy(hot)].to(self.device)
+        self.cache_weights[: len(hot)] = warm[:, :dim]
+        self.cache_state[: len(hot)] = warm[:, dim:]
+        del preload, warm
 
-        # Host copy in rank order, plus one trash row at index n.
-        self.host_weights = _alloc_host((n + 1, dim), self.device)
-        self.host_state = _alloc_host((n + 1, width), self.device)
-        rank_of_row_host = self.rank_of_row.cpu()
-        self.space.fill_initial(self.host_weights, ctx.init_weights, position=lambda rows: rank_of_row_host[rows].long())
-
-        # Device side: C slots plus a trash slot at index c.
-        self.cache_weights = torch.zeros(c + 1, dim, device=self.device)
-        self.cache_state = torch.zeros(c + 1, width, device=self.device)
-        self.slot_to_row = torch.full((c + 1,), n, dtype=torch.long, device=self.device)
-        self.row_to_slot = torch.full((n + 1,), -1, dtype=torch.int32, device=self.device)
-        self.slot_dirty = torch.zeros(c + 1, dtype=torch.bool, device=self.device)
-        self.slot_protected = torch.zeros(c + 1, dtype=torch.bool, device=self.device)
-        # LFU counts live per row, so they survive eviction; the trash row counts -1.
-        self.row_counts = torch.cat([counts[order], counts.new_full((1,), -1)]) if params.policy == "lfu" else None
-        del counts, order
-        self._counters = torch.zeros(len(_COUNTER_NAMES), dtype=torch.long, device=self.device)
-        self.store = _CacheStore(self)
-
-        # Warm-up: the hottest rows, clean.
-        hot = torch.arange(c, device=self.device)
-        self.cache_weights[:c] = self.host_weights[:c].to(self.device)
-        self.cache_state[:c] = self.host_state[:c].to(self.device)
-        self.slot_to_row[:c] = hot
-        self.row_to_slot[:c] = hot.to(torch.int32)
-
-        self._prefetched: tuple[Tensor, Tensor] | None = None  # (the batch's ids, their rows)
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._protected_bound = 0  # ids of the batch whose slots are protected
-        self._bypassed = False
+        pin = self.cuda
+        self._pinned = _Buffers(
+            rows_in=[torch.empty(self.max_ids, dim + width, pin_memory=pin) for _ in range(2)],
+            index=[torch.empty(4 * self.max_ids, dtype=torch.long, pin_memory=pin) for _ in range(2)],
+            rows_out=torch.empty(2 * self.max_ids, dim + width, pin_memory=pin),
+        )
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._id_copies = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pending_write_back: tuple[torch.cuda.Event | None, Tensor, int] | None = None
+        self._upcoming: dict[int, _Upcoming] = {}
+        self._prefetched: tuple[Tensor, Tensor, int] | None = None  # (the batch's ids, their slots, plan)
+        self._running: int | None = None  # the plan of the last forwarded batch
+        self._own = {"host_syncs": 0, "pipeline_stalls": 0, "host_plan_us": 0}
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
-        self._recorded: list[Tensor] = []
-        self._window_start: Tensor | None = None
-        self._window_end: Tensor | None = None
-        self._close_window = False
+        self._recorded: list[np.ndarray] = []
+        self._window_start: dict[str, int] | None = None
+        self._window_end: dict[str, int] | None = None
 
-    # -- bookkeeping ---------------------------------------------------------------------------
+    # -- ids on the host -------------------------------------------------------------------------
 
-    def _priority(self) -> Tensor:
-        """Eviction priority of each slot (lowest goes first); empty slots are lowest."""
-        if self.params.policy == "lfu":
-            return self.row_counts[self.slot_to_row[: self.capacity]]
-        return -self.slot_to_row[: self.capacity]
+    def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
+        """Start copying the upcoming batches' rows to the host; count the rows of those
+        already there as upcoming (they are then evicted last)."""
+        for features in upcoming:
+            entry = self._upcoming.get(id(features.values))
+            if entry is None or entry.values is not features.values:
+                self._upcoming[id(features.values)] = self._copy_rows(features)
+        for entry in self._upcoming.values():
+            if not entry.expected and (entry.copied is None or entry.copied.query()):
+                entry.unique = np.unique(entry.rows.numpy(), return_inverse=True)
+                self.planner.expect(entry.unique[0], +1)
+                entry.expected = True
 
-    def _count(self, **values: Tensor | int) -> None:
-        for name, v in values.items():
-            self._counters[_COUNTER_NAMES.index(name)] += v
+    def _copy_rows(self, features: SparseFeatures) -> _Upcoming:
+        rows = self.space.global_rows(features.to(self.device))
+        if not self.cuda:
+            return _Upcoming(features.values, rows, None)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        self._id_copies.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._id_copies):
+            host.copy_(rows, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        rows.record_stream(self._id_copies)
+        return _Upcoming(features.values, host, copied)
 
-    def _admit(self, rows: Tensor, count: bool) -> Tensor:
-        """Make every row of ``rows`` resident; return the slot of each. Needs the batch's
-        distinct rows to fit in the unprotected slots (checked by the caller)."""
-        n, c = self.num_rows, self.capacity
-        sorted_rows, _ = rows.sort()
-        first = torch.ones_like(sorted_rows, dtype=torch.bool)
-        first[1:] = sorted_rows[1:] != sorted_rows[:-1]
-        slot_before = self.row_to_slot[sorted_rows].long()
-        missing = first & (slot_before < 0)
+    def _host_rows(self, features: SparseFeatures) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """The batch's global rows on the host (and their unique rows if known)."""
+        entry = self._upcoming.pop(id(features.values), None)
+        if entry is None or entry.values is not features.values:
+            entry = self._copy_rows(features)
+            self._own["host_syncs"] += int(self.cuda)  # not looked ahead: its ids are waited for
+        if entry.copied is not None and not entry.copied.query():
+            self._own["pipeline_stalls"] += 1
+            entry.copied.synchronize()
+        if entry.expected:
+            self.planner.expect(entry.unique[0], -1)  # no longer upcoming: it is this batch
+        return entry.rows.numpy(), entry.unique
 
-        in_use = self.slot_protected.clone()
-        in_use[torch.where(slot_before >= 0, slot_before, c)] = True
-        priority = self._priority().masked_fill(in_use[:c], torch.iinfo(torch.long).max)
-        k = min(rows.numel(), c)
-        victims = torch.topk(priority, k, largest=False, sorted=True).indices
-        slot = torch.where(missing, victims[(torch.cumsum(missing, 0) - 1).clamp(0, k - 1)], c)
+    # -- planning and moving rows ------------------------------------------------------------------
 
-        # Evict: dirty victims (row and optimizer state) go back to the host.
-        old_rows = self.slot_to_row[slot]
-        evicted = missing & (old_rows < n)
-        write_back = evicted & self.slot_dirty[slot]
-        target = torch.where(write_back, old_rows, n).to(self.host_weights.device)
-        self.host_weights.index_copy_(0, target, self.cache_weights[slot].to(self.host_weights.device))
-        self.host_state.index_copy_(0, target, self.cache_state[slot].to(self.host_state.device))
-        self.row_to_slot[torch.where(evicted, old_rows, n)] = -1
+    def _plan(self, features: SparseFeatures, train: bool, running: int | None) -> Plan:
+        start = time.perf_counter()
+        rows, unique = self._host_rows(features)
+        closes = train and self._observe(rows)
+        plan = self.planner.plan(rows, train, running, unique)
+        if closes:
+            self._window_end = self.counters()
+        self._own["host_plan_us"] += round((time.perf_counter() - start) * 1e6)
+        return plan
 
-        # Admit: the missing rows (and their state) come in, clean.
-        load = torch.where(missing, sorted_rows, n)
-        load_host = load.to(self.host_weights.device)
-        self.cache_weights.index_copy_(0, slot, self.host_weights[load_host].to(self.device))
-        self.cache_state.index_copy_(0, slot, self.host_state[load_host].to(self.device))
-        self.slot_to_row[slot] = load
-        self.row_to_slot[load] = slot.to(torch.int32)
-        self.slot_dirty[slot] = False
-        self.row_to_slot[n], self.slot_to_row[c] = -1, n  # the trash stays trash
+    def _wait(self, key: tuple[str, int]) -> None:
+        """Wait (counted as a stall) until the copy that last used a pinned buffer is done."""
+        event = self._pinned.events.pop(key, None)
+        if event is not None and not event.query():
+            self._own["pipeline_stalls"] += 1
+            event.synchronize()
 
-        if count:
-            num_missing = missing.sum()
-            self._count(accesses=rows.numel(), unique_accesses=first.sum(), hits=(slot_before >= 0).sum(),
-                misses=(slot_before < 0).sum(),
-                unique_misses=num_missing, rows_admitted=num_missing, rows_evicted=evicted.sum(),
-                rows_written_back=write_back.sum(), bytes_h2d=num_missing * self.row_bytes,
-                bytes_d2h=write_back.sum() * self.row_bytes)
-        return self.row_to_slot[rows].long()
+    def _mark(self, key: tuple[str, int]) -> None:
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._pinned.events[key] = event
 
-    def _fits(self, rows: Tensor, may_sync: bool = True) -> bool:
-        """Whether the distinct rows of ``rows`` fit the unprotected slots. Free of host
-        synchronisation when even all ids would fit; else one count is read (if allowed)."""
-        free = self.capacity - self._protected_bound
-        if rows.numel() <= free:
-            return True
-        return may_sync and int(torch.unique(rows).numel()) <= free
+    def _finish_write_back(self) -> None:
+        """Apply the last plan's write-back (copied out to a pinned buffer) to the host table."""
+        if self._pending_write_back is None:
+            return
+        event, rows, count = self._pending_write_back
+        self._pending_write_back = None
+        if event is not None and not event.query():
+            self._own["pipeline_stalls"] += 1
+            event.synchronize()
+        self.host.index_copy_(0, rows, self._pinned.rows_out[:count])
 
-    def _observe(self, rows: Tensor) -> None:
-        """A training batch, seen once, when it is first resolved (in forward or prefetch):
-        LFU counts, the recorded stream for the Belady bound, and its counter window."""
-        if self.row_counts is not None:
-            self.row_counts.index_add_(0, rows, torch.ones_like(rows))
-        step = self._observed
-        self._observed += 1
-        window = range(self._warmup_steps, self._warmup_steps + self.params.belady_steps)
-        if self.params.belady_steps and step < window.stop:
-            self._recorded.append(rows.detach().clone())
-            if step == window.start:
-                self._window_start = self._counters.clone()
-            if step == window.stop - 1:
-                self._close_window = True  # snapshot once this batch is counted
+    def _move(self, plan: Plan) -> Tensor:
+        """Do a plan's copies (on the side stream on CUDA); returns the batch's slots on the device."""
+        b, dim, turn = self._pinned, self.dim, plan.id % 2
+        stream = torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext()
+        if self.cuda:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with stream:
+            self._finish_write_back()  # a row copied out by the last plan may be loaded now
+            n_out, n_in = len(plan.write_back_slots), len(plan.load_slots)
+            packed = np.concatenate([plan.write_back_slots, plan.load_slots, plan.id_slots])
+            if self.cuda:  # all of a plan's indices in one copy
+                self._wait(("index", turn))
+                b.index[turn][: len(packed)].numpy()[:] = packed
+                index = b.index[turn][: len(packed)].to(self.device, non_blocking=True)
+                self._mark(("index", turn))
+            else:
+                index = torch.from_numpy(packed)
+            if n_out:  # dirty victims: one gather, one copy out
+                out_slots = index[:n_out]
+                out = torch.cat([self.cache_weights.index_select(0, out_slots),
+                                 self.cache_state.index_select(0, out_slots)], 1)
+                b.rows_out[:n_out].copy_(out, non_blocking=True)
+                event = None
+                if self.cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                self._pending_write_back = (event, torch.from_numpy(plan.write_back_rows), n_out)
+                if not self.cuda:
+                    self._finish_write_back()
+            if n_in:  # missing rows: one host gather into pinned memory, one copy in
+                self._wait(("rows", turn))
+                staged = b.rows_in[turn][:n_in]
+                torch.index_select(self.host, 0, torch.from_numpy(plan.load_rows), out=staged)
+                rows = staged.to(self.device, non_blocking=True)
+                self._mark(("rows", turn))
+                in_slots = index[n_out : n_out + n_in]
+                self.cache_weights.index_copy_(0, in_slots, rows[:, :dim])
+                self.cache_state.index_copy_(0, in_slots, rows[:, dim:])
+            slots = index[n_out + n_in :]
+        if self.cuda:
+            slots.record_stream(torch.cuda.current_stream(self.device))
+        return slots
 
     # -- the SparseModule interface ------------------------------------------------------------
 
-    def _ranked_rows(self, features: SparseFeatures) -> Tensor:
-        return self.rank_of_row[self.space.global_rows(features.to(self.device))].long()
-
     def forward(self, features: SparseFeatures) -> Tensor:
-        training = torch.is_grad_enabled()
-        offsets = features.offsets().to(self.device)
         prefetched, self._prefetched = self._prefetched, None
-        if self._side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-        self.slot_protected.zero_()
-        self._protected_bound = 0
         if prefetched is not None and prefetched[0] is features.values:
-            rows = prefetched[1]
-            slots = self.row_to_slot[rows].long()
-        else:
-            rows = self._ranked_rows(features)
-            if training:
-                self._observe(rows)
-            if not self._fits(rows):
-                return self._bypass(features, rows, offsets, training)
-            slots = self._admit(rows, count=training)
-        self._snapshot_window()
-        self.slot_protected[slots] = True
-        self._protected_bound = rows.numel()
-        self._bypassed = False
+            slots, self._running = prefetched[1], prefetched[2]
+        else:  # no step is running now: only this batch's rows are kept
+            plan = self._plan(features, torch.is_grad_enabled(), running=None)
+            slots, self._running = self._move(plan), plan.id
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        offsets = features.offsets().to(self.device)
         return per_sample(pooled_lookup(self.store, slots, offsets, self.device), features)
 
     def prefetch(self, features: SparseFeatures) -> None:
-        """Admit the next batch's rows now (on a side stream on CUDA); the current batch's
-        slots are protected, so nothing it uses is evicted under it."""
-        if not self.params.prefetch or self._bypassed:
-            return  # after a bypass, an admitted row could be staler than its host copy
-        rows = self._ranked_rows(features)
-        if not self._fits(rows, may_sync=False):
-            # Only when both batches' ids fit for sure: a host read here would stall the
-            # step mid-way. The batch is then admitted (or bypassed) in its own forward.
+        """Plan the next batch and move its rows now; the running batch's slots are kept."""
+        if not self.params.prefetch:
             return
-        self._observe(rows)
-        if self._side_stream is None:
-            self._admit(rows, count=True)
-        else:
-            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._side_stream):
-                self._admit(rows, count=True)
-            rows.record_stream(self._side_stream)
-        self._snapshot_window()
-        self._prefetched = (features.values, rows)  # the tensor itself: an id() could be reused
+        plan = self._plan(features, True, running=self._running)
+        self._prefetched = (features.values, self._move(plan), plan.id)  # the tensor itself: an id() could be reused
 
-    def _bypass(self, features: SparseFeatures, rows: Tensor, offsets: Tensor, training: bool) -> Tensor:
-        """A batch whose distinct rows exceed the free slots: train it from where its rows are."""
-        unique, position = torch.unique(rows, return_inverse=True)
-        store = _BypassStore(self, unique)
-        self.slot_protected[store.slot[store.cached]] = True
-        self._protected_bound = rows.numel()
-        self._bypassed = True
-        if training:
-            hits = (self.row_to_slot[rows] >= 0).sum()
-            from_host = (~store.cached).sum() * self.row_bytes  # gathered, then written back
-            self._count(accesses=rows.numel(), unique_accesses=unique.numel(), hits=hits,
-                        misses=rows.numel() - hits, unique_misses=(~store.cached).sum(),
-                        bytes_h2d=from_host, bytes_d2h=from_host)
-            self._snapshot_window()
-        return per_sample(pooled_lookup(store, position, offsets, self.device), features)
-
-    def _snapshot_window(self) -> None:
-        if self._close_window:
-            self._window_end = self._counters.clone()
-            self._close_window = False
+    def _observe(self, rows: np.ndarray) -> bool:
+        """A training batch, about to be planned: the recorded stream for the Belady bound and
+        its counter window. Returns whether this batch closes the window."""
+        step = self._observed
+        self._observed += 1
+        start, stop = self._warmup_steps, self._warmup_steps + self.params.belady_steps
+        if not self.params.belady_steps or step >= stop:
+            return False
+        self._recorded.append(rows.copy())
+        if step == start:
+            self._window_start = self.counters()
+        return step == stop - 1
 
     # -- reporting -----------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
-        return dict(zip(_COUNTER_NAMES, self._counters.tolist()))
+        c = dict(self.planner.counters)
+        loaded = c.pop("rows_loaded")
+        return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
+                **self._own}
 
     def memory(self) -> MemoryFootprint:
-        device = sum(t.nbytes for t in (self.cache_weights, self.cache_state, self.slot_to_row, self.row_to_slot,
-                                        self.slot_dirty, self.slot_protected, self.rank_of_row)
-                     ) + (self.row_counts.nbytes if self.row_counts is not None else 0)
-        host = self.host_weights.nbytes + self.host_state.nbytes + self.row_of_rank.nbytes
-        if self.device.type == "cuda":
-            return MemoryFootprint(device_bytes=device, pinned_bytes=host)
-        return MemoryFootprint(device_bytes=device, host_bytes=host)
+        device = self.cache_weights.nbytes + self.cache_state.nbytes
+        b = self._pinned
+        staging = sum(t.nbytes for t in (*b.rows_in, *b.index, b.rows_out))
+        host = self.planner.nbytes
+        if self.cuda:
+            return MemoryFootprint(device_bytes=device, host_bytes=host, pinned_bytes=self.host.nbytes + staging)
+        return MemoryFootprint(device_bytes=device, host_bytes=host + self.host.nbytes + staging)
 
     def flush(self) -> list[Tensor]:
-        """Write every dirty cached row back, then return the tables in their original order."""
-        if self._side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-        c, n = self.capacity, self.num_rows
-        dirty = self.slot_dirty[:c] & (self.slot_to_row[:c] < n)
-        target = torch.where(dirty, self.slot_to_row[:c], n).to(self.host_weights.device)
-        self.host_weights.index_copy_(0, target, self.cache_weights[:c].to(self.host_weights.device))
-        self.host_state.index_copy_(0, target, self.cache_state[:c].to(self.host_state.device))
-        self.slot_dirty.zero_()
-        by_rank = self.host_weights[:n].cpu()
-        full = torch.empty_like(by_rank)
-        full[self.row_of_rank] = by_rank
-        return [t.clone() for t in self.space.split(full)]
+        """Write every dirty slot back, then return the tables."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._finish_write_back()
+        slots, rows = self.planner.dirty_slots()
+        index = torch.from_numpy(slots).to(self.device)
+        out = torch.cat([self.cache_weights[index], self.cache_state[index]], 1).cpu()
+        self.host.index_copy_(0, torch.from_numpy(rows), out)
+        self.planner.clean()
+        return [t.clone() for t in self.space.split(self.host[:, : self.dim])]
 
     def extra_metrics(self) -> dict:
-        """Belady's MIN on the recorded training id stream at this capacity, beside this
-        cache's own hit rate on the same window of steps."""
-        out: dict = {"capacity_rows": self.capacity, "policy": self.params.policy}
+        """Belady's MIN on the recorded training stream at this capacity (per access and per
+        distinct row of each batch), beside this cache's own rates on the same window."""
+        out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "policy": self.params.policy,
+                     "admission": self.params.admission, "lookahead": self.lookahead}
         if self._window_start is None:
             return out
-        end = self._window_end if self._window_end is not None else self._counters  # a run shorter than the window
-        stream = [r.cpu() for r in self._recorded]
-        window = dict(zip(_COUNTER_NAMES, (end - self._window_start).tolist()))
+        end = self._window_end if self._window_end is not None else self.counters()  # a run shorter than the window
+        window = {k: end[k] - self._window_start[k] for k in end}
+        # MIN from the window's start with the best possible content for free (the rows used
+        # soonest): a bound for any preload, the profile's included.
+        stream = [torch.from_numpy(r) for r in self._recorded[self._warmup_steps :]]
+        per_access, per_distinct = belady_hit_rates(stream, self.capacity, prefilled=True)
         out.update(
-            belady_hit_rate=belady_hit_rate(stream, self.capacity, skip=self._warmup_steps, prefilled=True),
+            belady_hit_rate=per_access,
+            belady_unique_hit_rate=per_distinct,
             window_hit_rate=window["hits"] / max(1, window["accesses"]),
+            window_unique_hit_rate=1 - window["unique_misses"] / max(1, window["unique_accesses"]),
             window_accesses=window["accesses"],
-            belady_window=[self._warmup_steps, len(stream)],
+            belady_window=[self._warmup_steps, len(self._recorded)],
         )
         return out
 

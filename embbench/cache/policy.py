@@ -1,0 +1,278 @@
+"""freqcache's slot planner: which row sits in which device slot, decided on the host.
+
+The planner keeps the whole slot map in NumPy arrays and turns a batch's ids into a
+:class:`Plan`: the slot of every id, the rows to copy in (host -> device), and the dirty
+rows to copy out (device -> host) before their slots are reused. The device then does a
+fixed handful of operations per step whatever the number of tables, and never has to be
+asked anything (no host synchronisation).
+
+Slots ``[0, P)`` are of two classes. *Cached* slots hold at most ``capacity`` rows, chosen
+by the policy. *Staged* slots hold the rows a batch needs that the policy did not admit
+(or that exceed the capacity): they are filled for that step and are the first to be
+reused; the ``2 * max_ids`` of them that a step and its prefetched successor can need are
+reserved, so a cache smaller than one batch works. A row stays in its slot while a step
+that uses it may still run, and a staged row that the next batch needs is used where it is
+(so no step ever reads a copy older than the previous step's update).
+
+Policy: the frequency of every row is estimated by a count-min sketch (TinyLFU) whose
+counts are halved every ``decay_every`` training batches, so a drifting stream is
+followed. A row's score is its frequency plus a large bonus per upcoming (looked-ahead)
+batch that uses it, so rows the next batches need are evicted last. Admission ``tinylfu``
+admits a missing row only in place of a cached row with a lower score (or into free
+capacity); ``all`` admits every missing row the capacity allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["FrequencySketch", "Plan", "SlotPlanner"]
+
+#: Score bonus per upcoming batch that uses a row: above any frequency the sketch can hold.
+_UPCOMING = 1 << 40
+
+
+class FrequencySketch:
+    """A count-min sketch of row frequencies (``depth`` hashed counters per row).
+
+    Args:
+        width: counters per hash row (rounded up to a power of two).
+        depth: hash functions; the estimate is the minimum over them.
+    """
+
+    _MULTIPLIERS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
+                            dtype=np.uint64)
+
+    def __init__(self, width: int, depth: int = 4):
+        if not 1 <= depth <= len(self._MULTIPLIERS):
+            raise ValueError(f"sketch depth must be 1..{len(self._MULTIPLIERS)}, got {depth}")
+        self.bits = max(4, int(width - 1).bit_length())
+        self.width = 1 << self.bits
+        self.counts = np.zeros((depth, self.width), dtype=np.int32)
+        self._rows = np.arange(depth, dtype=np.int64)[:, None] * self.width
+
+    def _cells(self, rows: np.ndarray) -> np.ndarray:
+        """Flat counter indices ``[depth, len(rows)]`` (multiply-shift hashing)."""
+        keys = rows.astype(np.uint64)[None, :] + np.uint64(1)
+        with np.errstate(over="ignore"):
+            hashed = (keys * self._MULTIPLIERS[: len(self.counts), None]) >> np.uint64(64 - self.bits)
+        return hashed.astype(np.int64) + self._rows
+
+    def add(self, rows: np.ndarray) -> None:
+        """Count each of ``rows`` once (callers pass distinct rows)."""
+        np.add.at(self.counts.reshape(-1), self._cells(rows).reshape(-1), 1)
+
+    def estimate(self, rows: np.ndarray) -> np.ndarray:
+        """An upper estimate of each row's count (int64)."""
+        return self.counts.reshape(-1)[self._cells(rows)].min(0).astype(np.int64)
+
+    def halve(self) -> None:
+        np.right_shift(self.counts, 1, out=self.counts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.nbytes
+
+
+@dataclass
+class Plan:
+    """What the device must do before a batch's lookup (all arrays int64).
+
+    Attributes:
+        id: the plan's number (plans are numbered in the order they are made).
+        id_slots: the slot of every id of the batch, in the batch's order.
+        write_back_slots / write_back_rows: dirty rows to copy out, slot -> host row, before
+            any load (a load may reuse the slot).
+        load_slots / load_rows: rows to copy in, host row -> slot.
+    """
+
+    id: int
+    id_slots: np.ndarray
+    write_back_slots: np.ndarray
+    write_back_rows: np.ndarray
+    load_slots: np.ndarray
+    load_rows: np.ndarray
+
+
+class SlotPlanner:
+    """The slot map of one freqcache and its policy (see the module docstring).
+
+    Args:
+        num_rows: rows of the global row space.
+        capacity: rows the cache may hold (cached slots).
+        max_ids: the most ids one batch may have (sizes the staged slots).
+        admission: ``all`` or ``tinylfu``.
+        learn: count training batches in the sketch (False: frequencies stay the profile's).
+        decay_every: halve the counts every this many training batches (0: never).
+    """
+
+    def __init__(self, num_rows: int, capacity: int, max_ids: int, admission: str = "tinylfu",
+                 learn: bool = True, decay_every: int = 0):
+        self.num_rows, self.capacity, self.max_ids = num_rows, capacity, max_ids
+        self.num_slots = capacity + 2 * min(max_ids, num_rows)
+        self.admission, self.learn, self.decay_every = admission, learn, decay_every
+        self.sketch = FrequencySketch(4 * (capacity + max_ids))
+        self.row_slot = np.full(num_rows, -1, dtype=np.int64)
+        self.slot_row = np.full(self.num_slots, -1, dtype=np.int64)
+        self.slot_cached = np.zeros(self.num_slots, dtype=bool)
+        self.slot_dirty = np.zeros(self.num_slots, dtype=bool)
+        self.slot_plan = np.full(self.num_slots, -1, dtype=np.int64)  # the last plan that used the slot
+        self.slot_freq = np.zeros(self.num_slots, dtype=np.int64)  # the row's frequency when last seen
+        self.upcoming = np.zeros(num_rows, dtype=np.int32)  # looked-ahead batches that use each row
+        self.num_cached = 0
+        self.plans = 0
+        self.trained = 0
+        self.counters = dict.fromkeys(("accesses", "unique_accesses", "hits", "misses", "unique_misses",
+                                       "rows_admitted", "rows_evicted", "rows_written_back", "rows_loaded"), 0)
+
+    # -- set-up and look-ahead ---------------------------------------------------------------
+
+    def preload(self, rows: np.ndarray) -> np.ndarray:
+        """Cache ``rows`` (distinct, at most ``capacity``) in slots ``0..len-1``, clean; returns the slots."""
+        slots = np.arange(len(rows))
+        self.slot_row[slots], self.row_slot[rows] = rows, slots
+        self.slot_cached[slots] = True
+        self.slot_freq[slots] = self.sketch.estimate(rows)
+        self.num_cached = len(rows)
+        return slots
+
+    def expect(self, unique_rows: np.ndarray, sign: int) -> None:
+        """A looked-ahead batch's distinct rows enter (+1) or leave (-1) the window."""
+        self.upcoming[unique_rows] += sign
+
+    def _score(self, rows: np.ndarray, freq: np.ndarray) -> np.ndarray:
+        return freq + _UPCOMING * self.upcoming[rows].astype(np.int64)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def plan(self, rows: np.ndarray, train: bool, running: int | None = None,
+             unique: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
+        """Place every row of a batch in a slot.
+
+        Args:
+            rows: the batch's global rows, one per id.
+            train: a training batch (counted, and its slots become dirty); else evaluation.
+            running: the plan of a step that may still be running (its slots are kept).
+            unique: ``np.unique(rows, return_inverse=True)`` if already known.
+        """
+        pid = self.plans
+        self.plans += 1
+        u, inverse = unique if unique is not None else np.unique(rows, return_inverse=True)
+        if len(u) > self.max_ids:
+            raise ValueError(f"a batch has {len(u)} distinct rows, more than the {self.max_ids} ids the cache was sized for")
+        if train:
+            self.trained += 1
+            if self.learn:
+                self.sketch.add(u)
+                if self.decay_every and self.trained % self.decay_every == 0:
+                    self.sketch.halve()
+                    np.right_shift(self.slot_freq, 1, out=self.slot_freq)
+        freq = self.sketch.estimate(u)
+        slot = self.row_slot[u]
+        resident = slot >= 0
+        res_slots = slot[resident]
+        self.slot_plan[res_slots] = pid  # kept for this batch from here on
+        self.slot_freq[res_slots] = freq[resident]
+        cached = np.zeros(len(u), dtype=bool)
+        cached[resident] = self.slot_cached[res_slots]
+        if train:
+            per_row = np.bincount(inverse, minlength=len(u))
+            hits = int(per_row[cached].sum())
+            c = self.counters
+            c["accesses"] += len(rows)
+            c["unique_accesses"] += len(u)
+            c["hits"] += hits
+            c["misses"] += len(rows) - hits
+            c["unique_misses"] += int((~cached).sum())
+
+        kept = self.slot_plan == pid
+        if running is not None:
+            kept |= self.slot_plan == running
+        # Candidates (rows not cached), best first; victims (unkept cached slots), worst first.
+        candidates = np.flatnonzero(~cached)
+        score = self._score(u[candidates], freq[candidates])
+        by_score = np.argsort(-score, kind="stable")
+        candidates, score = candidates[by_score], score[by_score]
+        room = min(self.capacity - self.num_cached, len(candidates))
+        victims = priority = np.empty(0, dtype=np.int64)
+        wanted = len(candidates) - room
+        if wanted > 0:
+            pool = np.flatnonzero(self.slot_cached & ~kept)
+            priority = self._score(self.slot_row[pool], self.slot_freq[pool])
+            if len(pool) > wanted:
+                pick = np.argpartition(priority, wanted - 1)[:wanted]
+                pool, priority = pool[pick], priority[pick]
+            order = np.argsort(priority, kind="stable")
+            victims, priority = pool[order], priority[order]
+        admit = np.zeros(len(candidates), dtype=bool)
+        admit[:room] = True
+        contested = min(len(candidates) - room, len(victims))
+        if self.admission == "all":
+            admit[room : room + contested] = True
+        else:  # scores fall and victim priorities rise: the admitted ones are a prefix
+            admit[room : room + contested] = score[room : room + contested] > priority[:contested]
+        victims = victims[: int(admit[room:].sum())]
+        admitted = candidates[admit]
+
+        write_back = [self._evict(victims)]
+        self.num_cached += len(admitted) - len(victims)
+        self.counters["rows_admitted"] += len(admitted)
+        self.counters["rows_evicted"] += len(victims)
+        # Admitted rows that are staged now become cached where they are; the others take a
+        # victim's slot or a free one. Rejected rows not resident take a free slot, staged.
+        promote = slot[admitted][resident[admitted]]
+        self.slot_cached[promote] = True
+        incoming = admitted[~resident[admitted]]
+        staged = candidates[~admit]
+        staged = staged[~resident[staged]]
+        free_victims = victims[len(incoming):]
+        self.slot_cached[free_victims] = False  # a promoted row took their place in the count
+        need = max(0, len(incoming) - len(victims)) + len(staged)
+        free = np.empty(0, dtype=np.int64)
+        if need:
+            free = np.flatnonzero(~self.slot_cached & ~kept)[:need]
+            if len(free) < need:
+                raise RuntimeError("freqcache: no free staged slot (the planner's sizing is wrong)")
+            write_back.append(self._evict(free))
+        to_slots = np.concatenate([victims[: len(incoming)], free])
+        new_rows = u[np.concatenate([incoming, staged])]
+        self.slot_row[to_slots], self.row_slot[new_rows] = new_rows, to_slots
+        self.slot_cached[to_slots] = np.arange(len(to_slots)) < len(incoming)
+        self.slot_dirty[to_slots] = False
+        self.slot_plan[to_slots] = pid
+        self.slot_freq[to_slots] = freq[np.concatenate([incoming, staged])]
+        batch_slots = self.row_slot[u]
+        if train:
+            self.slot_dirty[batch_slots] = True  # backward updates them
+        self.counters["rows_loaded"] += len(new_rows)
+        wb_slots, wb_rows = (np.concatenate(parts) for parts in zip(*write_back))
+        return Plan(pid, batch_slots[inverse], wb_slots, wb_rows, to_slots, new_rows)
+
+    def _evict(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Empty ``slots``; returns the dirty ones and their rows (to write back)."""
+        rows = self.slot_row[slots]
+        occupied = rows >= 0
+        self.row_slot[rows[occupied]] = -1
+        dirty = occupied & self.slot_dirty[slots]
+        self.counters["rows_written_back"] += int(dirty.sum())
+        self.slot_row[slots] = -1
+        self.slot_dirty[slots] = False
+        return slots[dirty], rows[dirty]
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def dirty_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every dirty resident slot and its row (for a flush)."""
+        slots = np.flatnonzero(self.slot_dirty & (self.slot_row >= 0))
+        return slots, self.slot_row[slots]
+
+    def clean(self) -> None:
+        self.slot_dirty[:] = False
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.row_slot, self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq,
+                  self.upcoming)
+        return sum(a.nbytes for a in arrays) + self.sketch.nbytes
