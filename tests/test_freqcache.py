@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from baselines.tables import WholeTables
 from embbench.cache import FreqCache, FreqCacheParams
+from embbench.cache.policy import FrequencySketch, SlotPlanner
 from embbench.data import SparseFeatures, TableSpec
 from embbench.metrics import belady_hit_rate
 from embbench.optim import EmbeddingOptimizer
@@ -30,10 +31,13 @@ def _context(tables, opt, batches, warmup=0) -> BuildContext:
                         train_batches=train_batches, warmup_steps=warmup)
 
 
-def _train(module, batches, prefetch: bool) -> list[torch.Tensor]:
+def _train(module, batches, prefetch: bool, lookahead: int = 0) -> list[torch.Tensor]:
+    """Train as the runner does: look ahead, forward, prefetch the next batch, backward."""
     g = torch.Generator().manual_seed(7)
     outputs = []
     for i, features in enumerate(batches):
+        if lookahead and i + 1 < len(batches):
+            module.look_ahead(batches[i + 1 : i + 1 + lookahead])
         out = module(features)
         if prefetch and i + 1 < len(batches):
             module.prefetch(batches[i + 1])
@@ -75,16 +79,19 @@ def _check_maps(cache: FreqCache) -> None:
 @settings(max_examples=100, deadline=None)
 @given(stream=streams(), opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]),
        ratio=st.sampled_from([1e-6, 0.1, 0.3, 1.0]), policy=st.sampled_from(["static", "lfu"]),
-       prefetch=st.booleans(), profile=st.integers(0, 2))
-def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, prefetch, profile):
+       admission=st.sampled_from(["all", "tinylfu"]), prefetch=st.booleans(), lookahead=st.integers(0, 3),
+       decay=st.sampled_from([0, 1, 3]), profile=st.integers(0, 2))
+def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, admission, prefetch, lookahead,
+                                                     decay, profile):
     tables, batches = stream
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
     reference = WholeTables(_context(tables, opt, batches))
-    params = FreqCacheParams(cache_ratio=ratio, policy=policy, prefetch=prefetch, profile_batches=profile, belady_steps=3)
+    params = FreqCacheParams(cache_ratio=ratio, policy=policy, admission=admission, prefetch=prefetch,
+                             lookahead=lookahead, decay_every=decay, profile_batches=profile, belady_steps=3)
     cache = FreqCache(_context(tables, opt, batches), params)
     preloaded = cache.planner.num_cached
     expected = _train(reference, batches, prefetch=False)
-    got = _train(cache, batches, prefetch=prefetch)
+    got = _train(cache, batches, prefetch=prefetch, lookahead=cache.lookahead)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
     _check_maps(cache)
@@ -205,3 +212,55 @@ def test_a_prefetched_batch_that_is_never_used_does_not_stand_in_for_another():
     with torch.no_grad():
         for features in batches:
             torch.testing.assert_close(cache(features), reference(features))
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 19), min_size=1, max_size=6), min_size=2, max_size=10),
+       capacity=st.integers(1, 8), admission=st.sampled_from(["all", "tinylfu"]), ahead=st.integers(0, 3))
+def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(steps, capacity, admission, ahead):
+    """Plan each batch while the previous one runs (as prefetch does): the running batch's
+    slots still hold its rows, every id gets the slot of its row, and the maps stay inverse."""
+    planner = SlotPlanner(num_rows=20, capacity=capacity, max_ids=6, admission=admission, decay_every=2)
+    planner.preload(np.arange(capacity))
+    batches = [np.array(s, dtype=np.int64) for s in steps]
+    for b in batches[1 : 1 + ahead]:
+        planner.expect(np.unique(b), +1)
+    running = None
+    for i, rows in enumerate(batches):
+        if 1 + i + ahead < len(batches):
+            planner.expect(np.unique(batches[1 + i + ahead]), +1)
+        if i:
+            planner.expect(np.unique(rows), -1)
+        plan = planner.plan(rows, train=True, running=None if running is None else running.id)
+        assert np.array_equal(planner.slot_row[plan.id_slots], rows), "an id's slot does not hold its row"
+        if running is not None:
+            assert np.array_equal(planner.slot_row[running.id_slots], batches[i - 1]), "a running batch's row moved"
+        assert not np.isin(plan.write_back_slots, plan.id_slots[np.isin(rows, plan.load_rows, invert=True)]).any()
+        assert planner.slot_dirty[plan.id_slots].all() and len(plan.load_slots) == len(plan.load_rows)
+        occupied = np.flatnonzero(planner.slot_row >= 0)
+        assert np.array_equal(planner.row_slot[planner.slot_row[occupied]], occupied)
+        assert int(planner.slot_cached.sum()) == planner.num_cached <= capacity
+        running = plan
+
+
+def test_tinylfu_keeps_a_hot_row_that_admit_all_would_evict():
+    """One cached slot: a hot row (every other batch) against a stream of one-off rows."""
+    stream = [np.array([0]) if i % 2 == 0 else np.array([1 + i]) for i in range(12)]
+    rates = {}
+    for admission in ("all", "tinylfu"):
+        planner = SlotPlanner(num_rows=20, capacity=1, max_ids=2, admission=admission)
+        for rows in stream:
+            planner.plan(rows, train=True)
+        rates[admission] = planner.counters["hits"] / planner.counters["accesses"]
+    assert rates["tinylfu"] > rates["all"]
+    assert rates["all"] == 0 and rates["tinylfu"] == 5 / 12  # row 0 hits from its second batch on
+
+
+def test_the_sketch_counts_never_undercount_and_decay_halves_them():
+    sketch = FrequencySketch(width=64)
+    rows = np.arange(100)
+    for _ in range(3):
+        sketch.add(rows)
+    assert (sketch.estimate(rows) >= 3).all()
+    sketch.halve()
+    assert (sketch.estimate(rows) >= 1).all() and sketch.estimate(np.array([5]))[0] < 3 + 100
