@@ -46,7 +46,7 @@ class DriftConfig(_Strict):
 
 # The keys that belong to one data source only (the others must be left out).
 _SOURCE_KEYS = {
-    "synthetic": {"preset", "scale", "alpha", "drift"},
+    "synthetic": {"preset", "tables", "scale", "alpha", "drift"},
     "criteo_tsv": {"path", "format", "eval", "hash_size", "min_count", "epochs"},
     "trace": {"path", "epochs"},
 }
@@ -57,6 +57,15 @@ def _key_error(key: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("scenario_key", "{message}", {"key": key, "message": message})
 
 
+class TableConfig(_Strict):
+    """One table of a synthetic scenario that names its tables instead of a preset."""
+
+    rows: int = Field(gt=0, description="cardinality (before data.scale)")
+    alpha: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                description="Zipf exponent of id popularity (data.alpha if left out)")
+    bag_size: int = Field(1, gt=0, description="ids per sample")
+
+
 class DataConfig(_Strict):
     """The data of a scenario: a synthetic preset, real Criteo files, or a recorded trace."""
 
@@ -65,6 +74,8 @@ class DataConfig(_Strict):
     batch_size: int = Field(16384, gt=0, description="global: split across the ranks")
     # synthetic
     preset: str = Field("criteo_kaggle", description=f"one of {', '.join(PRESETS)}")
+    tables: list[TableConfig] | None = Field(
+        None, min_length=1, description="the tables themselves (rows, alpha, bag_size each), in place of the preset")
     scale: float = Field(1.0, gt=0, le=1, description="multiplies every table's cardinality")
     alpha: float | list[float] = Field(1.15, description="Zipf exponent of id popularity, or one per table")
     drift: DriftConfig | None = Field(None, description="which ids are hot changes every N batches")
@@ -90,6 +101,8 @@ class DataConfig(_Strict):
     def _per_table(cls, value, info):
         low = {"alpha": 0, "hash_size": 1}[info.field_name]
         items = value if isinstance(value, list) else [] if value is None else [value]
+        if isinstance(value, list) and info.field_name == "alpha" and info.data.get("tables") is not None:
+            raise ValueError("with data.tables, each table names its own alpha (data.alpha: one value for the others)")
         if isinstance(value, list) and len(value) != NUM_TABLES:
             raise ValueError(f"a list needs one value per table ({NUM_TABLES}), got {len(value)}")
         if any(not v >= low for v in items):  # also refuses nan
@@ -114,6 +127,8 @@ class DataConfig(_Strict):
             raise _key_error(key, f"only for source {' or '.join(owners)}, this data's source is {self.source}{hint}")
         if self.source != "synthetic" and not self.path:
             raise _key_error("path", f"source {self.source} needs a path")
+        if self.tables is not None and self.preset != type(self).model_fields["preset"].default:
+            raise _key_error("preset", "data.tables names the tables in place of a preset: give one or the other")
         return self
 
 

@@ -31,6 +31,15 @@ def _write(tmp_path, raw) -> Path:
     (lambda r: r["strategies"].append({"name": "devcie"}), "strategies[2].name: unknown strategy 'devcie'"),
     (lambda r: r["strategies"][0].update(params={"ratio": 1}), "strategies[0].params.ratio: unknown parameter of device"),
     (lambda r: r.update(baseline="gpu"), "baseline: 'gpu' is not among the strategies"),
+    (lambda r: r["data"].update(tables=[{"rows": 0}]), "data.tables[0].rows"),
+    (lambda r: r["data"].update(tables=[{"rows": 10, "alfa": 1.1}]), "data.tables[0].alfa: unknown key"),
+    (lambda r: r["data"].update(tables=[]), "data.tables"),
+    (lambda r: r["data"].update(tables=[{"rows": 10, "alpha": float("nan")}]), "data.tables[0].alpha"),
+    (lambda r: r["data"].update(tables=[{"rows": 10}], preset="criteo_1tb_freq3"),
+     "data.preset: data.tables names the tables in place of a preset"),
+    (lambda r: r["data"].update(tables=[{"rows": 10}], alpha=[1.0] * 26), "data.alpha: with data.tables, each table"),
+    (lambda r: r["data"].update(tables=[{"rows": 10}], source="trace", path="t.npz", scale=1.0),
+     "data.tables: only for source synthetic"),
 ])
 def test_errors_name_the_file_and_the_key(tmp_path, mutate, key):
     raw = tiny_scenario()
@@ -62,3 +71,13 @@ def test_command_line_overrides_and_strategy_filter(tmp_path):
     with pytest.raises(ScenarioError, match="--strategies: nope"):
         load_scenario(path, strategies=["nope"])
     assert scenario.digest() != load_scenario(path)[0].digest()
+
+
+def test_a_scenario_may_name_its_tables_instead_of_a_preset():
+    raw = tiny_scenario(data={"tables": [{"rows": 1000, "alpha": 1.05}, {"rows": 50, "bag_size": 3}], "scale": 0.5,
+                              "alpha": 0.9})
+    scenario, _ = parse_scenario(raw, "t")
+    tables = scenario.tables()  # a table without its own alpha takes data.alpha
+    assert [(t.num_rows, t.alpha, t.bag_size, t.dim) for t in tables] == [(500, 1.05, 1, 8), (25, 0.9, 3, 8)]
+    batch = scenario.data_source("cpu").batch(0, 0, 4)
+    assert batch.sparse.num_tables == 2 and batch.sparse.values.numel() == 4 + 12

@@ -72,8 +72,11 @@ def load_trace(path: str) -> Trace:
 
 
 def source_tables(data: "DataConfig") -> list[TableSpec]:
-    """The tables of a scenario's data: a preset's, or those the files or the trace hold."""
+    """The tables of a scenario's data: a preset's or those it names, or those the files or the trace hold."""
     dim = data.embedding_dim
+    if data.source == "synthetic" and data.tables is not None:  # named tables (data.alpha is then one value)
+        return [TableSpec(f"t{i}", max(1, int(t.rows * data.scale)), dim, t.bag_size,
+                          data.alpha if t.alpha is None else t.alpha) for i, t in enumerate(data.tables)]
     if data.source == "synthetic":
         return make_tables(data.preset, dim, data.scale, data.alpha)
     if data.source == "criteo_tsv":
