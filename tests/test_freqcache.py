@@ -264,3 +264,22 @@ def test_the_sketch_counts_never_undercount_and_decay_halves_them():
     assert (sketch.estimate(rows) >= 3).all()
     sketch.halve()
     assert (sketch.estimate(rows) >= 1).all() and sketch.estimate(np.array([5]))[0] < 3 + 100
+
+
+def test_the_policy_sweep_compares_the_planner_with_belady(tmp_path, capsys):
+    from embbench.cache.sweep import Workload, main, simulate
+
+    r = simulate(Workload(alpha=1.1, rows=3000, cache_ratio=0.05, batch_ids=256, lookahead=4),
+                 profile_batches=4, warmup_steps=4, steps=8)
+    assert 0 < r["unique_hit_rate"] <= r["belady_unique_hit_rate"] + 1e-12 <= 1 + 1e-12
+    assert 0 < r["hit_rate"] <= 1 and r["capacity"] == 150
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("name: s\nalpha: [1.1]\nrows: [2000]\ncache_ratio: [0.05]\nbatch_ids: [128, 256]\n"
+                     "lookahead: [0, 4]\nprofile_batches: 2\nwarmup_steps: 2\nsteps: 4\n")
+    assert main([str(sweep), "--out", str(tmp_path / "out.json")]) == 0
+    import json
+
+    assert len(json.loads((tmp_path / "out.json").read_text())["results"]) == 4
+    sweep.write_text("name: s\nalpha: [1.1]\nrows: [2000]\ncache_ratio: [0.05]\nbatch_id: [128]\n")
+    assert main([str(sweep)]) == 2
+    assert str(sweep) in capsys.readouterr().err

@@ -56,13 +56,24 @@ class FreqCacheParams(StrategyParams):
 
 @dataclass
 class _Upcoming:
-    """A looked-ahead batch: its global rows on the host (once its copy is done)."""
+    """A batch's ids on their way to the host: ``[3, ids]`` = its global rows sorted, their
+    positions in the batch, and 1 where a new row starts (found on the device with fixed-size
+    ops, so the host only compacts)."""
 
     values: Tensor  # the batch's ids tensor, held so that its identity stays unique
-    rows: Tensor  # global rows on the host (pinned on CUDA)
+    packed: Tensor  # on the host (pinned on CUDA)
     copied: torch.cuda.Event | None
-    unique: tuple[np.ndarray, np.ndarray] | None = None
+    unique: tuple[np.ndarray, np.ndarray] | None = None  # (distinct rows, each id's index in them)
     expected: bool = False
+
+    def distinct(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.unique is None:
+            sorted_rows, order, starts = self.packed.numpy()
+            starts = starts.astype(bool)
+            inverse = np.empty_like(order)
+            inverse[order] = np.cumsum(starts) - 1
+            self.unique = sorted_rows[starts], inverse
+        return self.unique
 
 
 @dataclass
@@ -105,21 +116,13 @@ class FreqCache(SparseModule):
 
         # Frequency profile of training batches only (BuildContext never offers eval data);
         # the most frequent rows are preloaded.
-        profiled = []
-        for batch in ctx.train_batches(params.profile_batches):
-            rows = self.space.global_rows(batch.sparse.to(self.device)).cpu().numpy()
-            self.planner.sketch.add(np.unique(rows))
-            profiled.append(rows)
-        if profiled:
-            rows, counts = np.unique(np.concatenate(profiled), return_counts=True)
-            hot = rows[np.argsort(-counts, kind="stable")][: self.capacity]
-        else:
-            hot = np.arange(self.capacity)
-        preload = torch.from_numpy(self.planner.preload(hot))
-        warm = self.host[torch.from_numpy(hot)].to(self.device)
+        profiled = [self.space.global_rows(batch.sparse.to(self.device)).cpu().numpy()
+                    for batch in ctx.train_batches(params.profile_batches)]
+        hot = torch.from_numpy(self.planner.profile(profiled))
+        warm = self.host[hot].to(self.device)  # preloaded into slots 0..len-1
         self.cache_weights[: len(hot)] = warm[:, :dim]
         self.cache_state[: len(hot)] = warm[:, dim:]
-        del preload, warm
+        del profiled, warm
 
         pin = self.cuda
         self._pinned = _Buffers(
@@ -152,25 +155,28 @@ class FreqCache(SparseModule):
                 self._upcoming[id(features.values)] = self._copy_rows(features)
         for entry in self._upcoming.values():
             if not entry.expected and (entry.copied is None or entry.copied.query()):
-                entry.unique = np.unique(entry.rows.numpy(), return_inverse=True)
-                self.planner.expect(entry.unique[0], +1)
+                self.planner.expect(entry.distinct()[0], +1)
                 entry.expected = True
 
     def _copy_rows(self, features: SparseFeatures) -> _Upcoming:
         rows = self.space.global_rows(features.to(self.device))
+        sorted_rows, order = rows.sort()
+        starts = torch.ones_like(sorted_rows)
+        torch.ne(sorted_rows[1:], sorted_rows[:-1], out=starts[1:])
+        packed = torch.stack([sorted_rows, order, starts])
         if not self.cuda:
-            return _Upcoming(features.values, rows, None)
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            return _Upcoming(features.values, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         self._id_copies.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._id_copies):
-            host.copy_(rows, non_blocking=True)
+            host.copy_(packed, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        rows.record_stream(self._id_copies)
+        packed.record_stream(self._id_copies)
         return _Upcoming(features.values, host, copied)
 
-    def _host_rows(self, features: SparseFeatures) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-        """The batch's global rows on the host (and their unique rows if known)."""
+    def _host_rows(self, features: SparseFeatures) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's distinct global rows on the host, and each id's index among them."""
         entry = self._upcoming.pop(id(features.values), None)
         if entry is None or entry.values is not features.values:
             entry = self._copy_rows(features)
@@ -178,17 +184,18 @@ class FreqCache(SparseModule):
         if entry.copied is not None and not entry.copied.query():
             self._own["pipeline_stalls"] += 1
             entry.copied.synchronize()
+        unique = entry.distinct()
         if entry.expected:
-            self.planner.expect(entry.unique[0], -1)  # no longer upcoming: it is this batch
-        return entry.rows.numpy(), entry.unique
+            self.planner.expect(unique[0], -1)  # no longer upcoming: it is this batch
+        return unique
 
     # -- planning and moving rows ------------------------------------------------------------------
 
     def _plan(self, features: SparseFeatures, train: bool, running: int | None) -> Plan:
         start = time.perf_counter()
-        rows, unique = self._host_rows(features)
-        closes = train and self._observe(rows)
-        plan = self.planner.plan(rows, train, running, unique)
+        unique = self._host_rows(features)
+        closes = train and self._observe(unique)
+        plan = self.planner.plan(unique, train, running)
         if closes:
             self._window_end = self.counters()
         self._own["host_plan_us"] += round((time.perf_counter() - start) * 1e6)
@@ -282,7 +289,7 @@ class FreqCache(SparseModule):
         plan = self._plan(features, True, running=self._running)
         self._prefetched = (features.values, self._move(plan), plan.id)  # the tensor itself: an id() could be reused
 
-    def _observe(self, rows: np.ndarray) -> bool:
+    def _observe(self, unique: tuple[np.ndarray, np.ndarray]) -> bool:
         """A training batch, about to be planned: the recorded stream for the Belady bound and
         its counter window. Returns whether this batch closes the window."""
         step = self._observed
@@ -290,7 +297,7 @@ class FreqCache(SparseModule):
         start, stop = self._warmup_steps, self._warmup_steps + self.params.belady_steps
         if not self.params.belady_steps or step >= stop:
             return False
-        self._recorded.append(rows.copy())
+        self._recorded.append(unique[0][unique[1]])  # the batch's rows, one per id
         if step == start:
             self._window_start = self.counters()
         return step == stop - 1

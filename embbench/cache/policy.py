@@ -61,8 +61,10 @@ class FrequencySketch:
         return hashed.astype(np.int64) + self._rows
 
     def add(self, rows: np.ndarray) -> None:
-        """Count each of ``rows`` once (callers pass distinct rows)."""
-        np.add.at(self.counts.reshape(-1), self._cells(rows).reshape(-1), 1)
+        """Count each of ``rows`` once (callers pass distinct rows). Rows that share a counter
+        add one to it together, so a counter still holds at least the count of every row
+        that maps to it: the estimate never falls below the true count."""
+        self.counts.reshape(-1)[self._cells(rows).reshape(-1)] += 1
 
     def estimate(self, rows: np.ndarray) -> np.ndarray:
         """An upper estimate of each row's count (int64)."""
@@ -109,11 +111,11 @@ class SlotPlanner:
     """
 
     def __init__(self, num_rows: int, capacity: int, max_ids: int, admission: str = "tinylfu",
-                 learn: bool = True, decay_every: int = 0):
+                 learn: bool = True, decay_every: int = 0, sketch_width: int | None = None):
         self.num_rows, self.capacity, self.max_ids = num_rows, capacity, max_ids
         self.num_slots = capacity + 2 * min(max_ids, num_rows)
         self.admission, self.learn, self.decay_every = admission, learn, decay_every
-        self.sketch = FrequencySketch(4 * (capacity + max_ids))
+        self.sketch = FrequencySketch(sketch_width or min(num_rows, 8 * (capacity + max_ids)))
         self.row_slot = np.full(num_rows, -1, dtype=np.int64)
         self.slot_row = np.full(self.num_slots, -1, dtype=np.int64)
         self.slot_cached = np.zeros(self.num_slots, dtype=bool)
@@ -128,6 +130,19 @@ class SlotPlanner:
                                        "rows_admitted", "rows_evicted", "rows_written_back", "rows_loaded"), 0)
 
     # -- set-up and look-ahead ---------------------------------------------------------------
+
+    def profile(self, batches: list[np.ndarray]) -> np.ndarray:
+        """Count profiled training batches (rows per id) in the sketch and preload the most
+        frequent rows (the first rows if there is no profile); returns the preloaded rows."""
+        for rows in batches:
+            self.sketch.add(np.unique(rows))
+        if batches:
+            rows, counts = np.unique(np.concatenate(batches), return_counts=True)
+            hot = rows[np.argsort(-counts, kind="stable")][: self.capacity]
+        else:
+            hot = np.arange(min(self.capacity, self.num_rows))
+        self.preload(hot)
+        return hot
 
     def preload(self, rows: np.ndarray) -> np.ndarray:
         """Cache ``rows`` (distinct, at most ``capacity``) in slots ``0..len-1``, clean; returns the slots."""
@@ -147,19 +162,18 @@ class SlotPlanner:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def plan(self, rows: np.ndarray, train: bool, running: int | None = None,
-             unique: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
+    def plan(self, batch: np.ndarray | tuple[np.ndarray, np.ndarray], train: bool, running: int | None = None) -> Plan:
         """Place every row of a batch in a slot.
 
         Args:
-            rows: the batch's global rows, one per id.
+            batch: the batch's global rows, one per id; or already as ``(distinct rows,
+                each id's index among them)``.
             train: a training batch (counted, and its slots become dirty); else evaluation.
             running: the plan of a step that may still be running (its slots are kept).
-            unique: ``np.unique(rows, return_inverse=True)`` if already known.
         """
         pid = self.plans
         self.plans += 1
-        u, inverse = unique if unique is not None else np.unique(rows, return_inverse=True)
+        u, inverse = batch if isinstance(batch, tuple) else np.unique(batch, return_inverse=True)
         if len(u) > self.max_ids:
             raise ValueError(f"a batch has {len(u)} distinct rows, more than the {self.max_ids} ids the cache was sized for")
         if train:
@@ -181,10 +195,10 @@ class SlotPlanner:
             per_row = np.bincount(inverse, minlength=len(u))
             hits = int(per_row[cached].sum())
             c = self.counters
-            c["accesses"] += len(rows)
+            c["accesses"] += len(inverse)
             c["unique_accesses"] += len(u)
             c["hits"] += hits
-            c["misses"] += len(rows) - hits
+            c["misses"] += len(inverse) - hits
             c["unique_misses"] += int((~cached).sum())
 
         kept = self.slot_plan == pid

@@ -1,0 +1,145 @@
+"""freqcache's policy against Belady's MIN on one-table workloads, on the CPU, without training.
+
+``python -m embbench.cache.sweep scenarios/freqcache_policy_sweep.yaml [--out FILE.json]``
+
+Every combination of the sweep file's lists is one workload: a table of ``rows`` rows with
+Zipf exponent ``alpha``, batches of ``batch_ids`` ids from the synthetic generator, a cache
+of ``cache_ratio`` of the rows. The very planner freqcache trains with
+(:class:`~embbench.cache.policy.SlotPlanner`) is driven as the runner drives it (profile and
+preload, look-ahead, each batch planned while the previous one runs). The stream is
+``profile_batches`` (profiled, then the cache's preload), ``warmup_steps`` and ``steps``
+batches; the hit rates over the last ``steps``, per access and per distinct row of each
+batch, are compared with Belady's MIN run over the whole stream from an empty cache and
+counted over the same batches (both have seen the same past).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from embbench.cache.policy import SlotPlanner
+from embbench.data import Stream, SyntheticCriteo, TableSpec
+from embbench.metrics import belady_hit_rates
+
+__all__ = ["Sweep", "Workload", "run_sweep", "simulate"]
+
+
+class Sweep(BaseModel):
+    """A sweep file: lists are crossed into workloads; the rest applies to all of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    alpha: list[float] = Field(min_length=1)
+    rows: list[int] = Field(min_length=1)
+    cache_ratio: list[float] = Field(min_length=1)
+    batch_ids: list[int] = Field(min_length=1)
+    admission: list[Literal["all", "tinylfu"]] = ["tinylfu"]
+    lookahead: list[int] = [8]
+    decay_every: int = Field(256, ge=0)
+    profile_batches: int = Field(32, ge=0)
+    warmup_steps: int = Field(16, ge=0)
+    steps: int = Field(64, gt=0)
+    seed: int = 0
+
+
+class Workload(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    alpha: float
+    rows: int = Field(gt=0)
+    cache_ratio: float = Field(gt=0, le=1)
+    batch_ids: int = Field(gt=0)
+    admission: Literal["all", "tinylfu"] = "tinylfu"
+    lookahead: int = Field(8, ge=0)
+
+
+def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
+             steps: int = 64, seed: int = 0) -> dict:
+    """The policy's and Belady's hit rates on one workload (see the module docstring)."""
+    table = TableSpec("t0", w.rows, 1, 1, w.alpha)
+    data = SyntheticCriteo([table], seed)
+    first, total = profile_batches, profile_batches + warmup_steps + steps
+    batches = [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(total + w.lookahead)]
+    capacity = max(1, min(w.rows, round(w.cache_ratio * w.rows)))
+    planner = SlotPlanner(w.rows, capacity, w.batch_ids, w.admission, decay_every=decay_every)
+    planner.profile(batches[:first])
+    unique = [np.unique(b) for b in batches]
+    for b in unique[first + 1 : first + 1 + w.lookahead]:
+        planner.expect(b, +1)
+    running, start = None, {}
+    for i in range(first, total):
+        if i == first + warmup_steps:
+            start = dict(planner.counters)
+        if i > first and w.lookahead:  # the batch leaves the window; the next one enters it
+            planner.expect(unique[i], -1)
+            planner.expect(unique[i + w.lookahead], +1)
+        running = planner.plan(batches[i], train=True, running=running).id
+    c = {k: planner.counters[k] - start.get(k, 0) for k in planner.counters}
+    per_access, per_distinct = belady_hit_rates([torch.from_numpy(b) for b in batches[:total]], capacity,
+                                                skip=first + warmup_steps)
+    hit, unique_hit = c["hits"] / c["accesses"], 1 - c["unique_misses"] / c["unique_accesses"]
+    return {**w.model_dump(), "capacity": capacity, "hit_rate": hit, "belady_hit_rate": per_access,
+            "unique_hit_rate": unique_hit, "belady_unique_hit_rate": per_distinct,
+            "gap": per_access - hit, "unique_gap": per_distinct - unique_hit}
+
+
+def run_sweep(sweep: Sweep):
+    """Each workload's result, as it is computed."""
+    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead")
+    for values in itertools.product(*(getattr(sweep, k) for k in keys)):
+        w = Workload(**dict(zip(keys, values)))
+        yield simulate(w, sweep.decay_every, sweep.profile_batches, sweep.warmup_steps, sweep.steps,
+                       sweep.seed)
+
+
+def _summary(results: list[dict]) -> str:
+    lines = []
+    for admission, lookahead in sorted({(r["admission"], r["lookahead"]) for r in results}):
+        group = [r for r in results if r["admission"] == admission and r["lookahead"] == lookahead]
+        u, a = [100 * r["unique_gap"] for r in group], [100 * r["gap"] for r in group]
+        lines.append(f"admission={admission} lookahead={lookahead}: {len(group)} workloads; points below Belady "
+                     f"per distinct row median {statistics.median(u):.2f} worst {max(u):.2f}, "
+                     f"per access median {statistics.median(a):.2f} worst {max(a):.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m embbench.cache.sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", type=Path, help="sweep YAML file")
+    parser.add_argument("--out", type=Path, help="write every workload's result here (JSON)")
+    args = parser.parse_args(argv)
+    try:
+        sweep = Sweep(**yaml.safe_load(args.sweep.read_text()))
+    except (ValidationError, TypeError, yaml.YAMLError) as exc:
+        print(f"{args.sweep}: {exc}", file=sys.stderr)
+        return 2
+    results = []
+    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} | "
+          f"{'hit':>6} {'MIN':>6} {'gap':>5} | {'uniq':>6} {'MIN':>6} {'gap':>5}")
+    for r in run_sweep(sweep):
+        results.append(r)
+        print(f"{r['alpha']:5.2f} {r['rows']:8d} {r['cache_ratio']:6.3f} {r['batch_ids']:6d} {r['admission']:>7} "
+              f"{r['lookahead']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
+              f"{100 * r['gap']:5.2f} | {100 * r['unique_hit_rate']:6.2f} {100 * r['belady_unique_hit_rate']:6.2f} "
+              f"{100 * r['unique_gap']:5.2f}", flush=True)
+    print(_summary(results))
+    if args.out:
+        args.out.write_text(json.dumps({"sweep": sweep.model_dump(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
