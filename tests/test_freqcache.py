@@ -239,6 +239,7 @@ def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(step
         assert planner.slot_dirty[plan.id_slots].all() and len(plan.load_slots) == len(plan.load_rows)
         occupied = np.flatnonzero(planner.slot_row >= 0)
         assert np.array_equal(planner.row_slot[planner.slot_row[occupied]], occupied)
+        assert np.array_equal(planner.slot_upcoming[occupied], planner.upcoming[planner.slot_row[occupied]])
         assert int(planner.slot_cached.sum()) == planner.num_cached <= capacity
         running = plan
 

@@ -115,7 +115,7 @@ class SlotPlanner:
         self.num_rows, self.capacity, self.max_ids = num_rows, capacity, max_ids
         self.num_slots = capacity + 2 * min(max_ids, num_rows)
         self.admission, self.learn, self.decay_every = admission, learn, decay_every
-        self.sketch = FrequencySketch(sketch_width or min(num_rows, 8 * (capacity + max_ids)))
+        self.sketch = FrequencySketch(sketch_width or min(num_rows, 2 * (capacity + max_ids)))
         self.row_slot = np.full(num_rows, -1, dtype=np.int64)
         self.slot_row = np.full(self.num_slots, -1, dtype=np.int64)
         self.slot_cached = np.zeros(self.num_slots, dtype=bool)
@@ -123,7 +123,9 @@ class SlotPlanner:
         self.slot_plan = np.full(self.num_slots, -1, dtype=np.int64)  # the last plan that used the slot
         self.slot_freq = np.zeros(self.num_slots, dtype=np.int64)  # the row's frequency when last seen
         self.upcoming = np.zeros(num_rows, dtype=np.int32)  # looked-ahead batches that use each row
+        self.slot_upcoming = np.zeros(self.num_slots, dtype=np.int32)  # the same, per slot (no gather by row)
         self.num_cached = 0
+        self._cursor = 0  # where the search for free slots goes on
         self.plans = 0
         self.trained = 0
         self.counters = dict.fromkeys(("accesses", "unique_accesses", "hits", "misses", "unique_misses",
@@ -150,12 +152,15 @@ class SlotPlanner:
         self.slot_row[slots], self.row_slot[rows] = rows, slots
         self.slot_cached[slots] = True
         self.slot_freq[slots] = self.sketch.estimate(rows)
+        self.slot_upcoming[slots] = self.upcoming[rows]
         self.num_cached = len(rows)
         return slots
 
     def expect(self, unique_rows: np.ndarray, sign: int) -> None:
         """A looked-ahead batch's distinct rows enter (+1) or leave (-1) the window."""
         self.upcoming[unique_rows] += sign
+        slots = self.row_slot[unique_rows]
+        self.slot_upcoming[slots[slots >= 0]] += sign
 
     def _score(self, rows: np.ndarray, freq: np.ndarray) -> np.ndarray:
         return freq + _UPCOMING * self.upcoming[rows].astype(np.int64)
@@ -201,9 +206,10 @@ class SlotPlanner:
             c["misses"] += len(inverse) - hits
             c["unique_misses"] += int((~cached).sum())
 
-        kept = self.slot_plan == pid
-        if running is not None:
-            kept |= self.slot_plan == running
+        def unkept(slots: np.ndarray) -> np.ndarray:
+            used = self.slot_plan[slots]
+            return slots[(used != pid) & (used != (-2 if running is None else running))]
+
         # Candidates (rows not cached), best first; victims (unkept cached slots), worst first.
         candidates = np.flatnonzero(~cached)
         score = self._score(u[candidates], freq[candidates])
@@ -213,8 +219,8 @@ class SlotPlanner:
         victims = priority = np.empty(0, dtype=np.int64)
         wanted = len(candidates) - room
         if wanted > 0:
-            pool = np.flatnonzero(self.slot_cached & ~kept)
-            priority = self._score(self.slot_row[pool], self.slot_freq[pool])
+            pool = unkept(np.flatnonzero(self.slot_cached))
+            priority = self.slot_freq[pool] + _UPCOMING * self.slot_upcoming[pool].astype(np.int64)
             if len(pool) > wanted:
                 pick = np.argpartition(priority, wanted - 1)[:wanted]
                 pool, priority = pool[pick], priority[pick]
@@ -246,9 +252,7 @@ class SlotPlanner:
         need = max(0, len(incoming) - len(victims)) + len(staged)
         free = np.empty(0, dtype=np.int64)
         if need:
-            free = np.flatnonzero(~self.slot_cached & ~kept)[:need]
-            if len(free) < need:
-                raise RuntimeError("freqcache: no free staged slot (the planner's sizing is wrong)")
+            free = self._free_slots(need, unkept)
             write_back.append(self._evict(free))
         to_slots = np.concatenate([victims[: len(incoming)], free])
         new_rows = u[np.concatenate([incoming, staged])]
@@ -257,12 +261,30 @@ class SlotPlanner:
         self.slot_dirty[to_slots] = False
         self.slot_plan[to_slots] = pid
         self.slot_freq[to_slots] = freq[np.concatenate([incoming, staged])]
+        self.slot_upcoming[to_slots] = self.upcoming[new_rows]
         batch_slots = self.row_slot[u]
         if train:
             self.slot_dirty[batch_slots] = True  # backward updates them
         self.counters["rows_loaded"] += len(new_rows)
         wb_slots, wb_rows = (np.concatenate(parts) for parts in zip(*write_back))
         return Plan(pid, batch_slots[inverse], wb_slots, wb_rows, to_slots, new_rows)
+
+    def _free_slots(self, need: int, unkept) -> np.ndarray:
+        """``need`` slots that are not cached and not kept, scanned for from where the last
+        scan stopped (so a plan touches about ``need`` slots, not all of them)."""
+        found, scanned, start = [], 0, self._cursor
+        chunk = min(self.num_slots, max(1024, 4 * need))  # no slot twice in one window
+        while need > 0 and scanned < self.num_slots:
+            window = np.arange(start, start + chunk) % self.num_slots
+            free = unkept(window[~self.slot_cached[window]])[:need]
+            found.append(free)
+            need -= len(free)
+            scanned += chunk
+            start = int(free[-1]) + 1 if need == 0 else (start + chunk) % self.num_slots
+        if need > 0:
+            raise RuntimeError("freqcache: no free staged slot (the planner's sizing is wrong)")
+        self._cursor = start % self.num_slots
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
     def _evict(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Empty ``slots``; returns the dirty ones and their rows (to write back)."""
@@ -273,6 +295,7 @@ class SlotPlanner:
         self.counters["rows_written_back"] += int(dirty.sum())
         self.slot_row[slots] = -1
         self.slot_dirty[slots] = False
+        self.slot_upcoming[slots] = 0
         return slots[dirty], rows[dirty]
 
     # -- reporting -----------------------------------------------------------------------------
@@ -288,5 +311,5 @@ class SlotPlanner:
     @property
     def nbytes(self) -> int:
         arrays = (self.row_slot, self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq,
-                  self.upcoming)
+                  self.upcoming, self.slot_upcoming)
         return sum(a.nbytes for a in arrays) + self.sketch.nbytes
