@@ -14,8 +14,9 @@ reserved, so a cache smaller than one batch works. A row stays in its slot while
 that uses it may still run, and a staged row that the next batch needs is used where it is
 (so no step ever reads a copy older than the previous step's update).
 
-Policy: the frequency of every row is estimated by a count-min sketch (TinyLFU) whose
-counts are halved every ``decay_every`` training batches, so a drifting stream is
+Policy: a cached row counts its uses in its slot; every other row's frequency is
+estimated by a count-min sketch (TinyLFU), so a step touches the sketch only for the rows
+it misses. Both are halved every ``decay_every`` training batches, so a drifting stream is
 followed. A row's score is its frequency plus a large bonus per upcoming (looked-ahead)
 batch that uses it, so rows the next batches need are evicted last. Admission ``tinylfu``
 admits a missing row only in place of a cached row with a lower score (or into free
@@ -181,21 +182,28 @@ class SlotPlanner:
         u, inverse = batch if isinstance(batch, tuple) else np.unique(batch, return_inverse=True)
         if len(u) > self.max_ids:
             raise ValueError(f"a batch has {len(u)} distinct rows, more than the {self.max_ids} ids the cache was sized for")
-        if train:
-            self.trained += 1
-            if self.learn:
-                self.sketch.add(u)
-                if self.decay_every and self.trained % self.decay_every == 0:
-                    self.sketch.halve()
-                    np.right_shift(self.slot_freq, 1, out=self.slot_freq)
-        freq = self.sketch.estimate(u)
         slot = self.row_slot[u]
         resident = slot >= 0
         res_slots = slot[resident]
         self.slot_plan[res_slots] = pid  # kept for this batch from here on
-        self.slot_freq[res_slots] = freq[resident]
         cached = np.zeros(len(u), dtype=bool)
         cached[resident] = self.slot_cached[res_slots]
+        # Cached rows count in their slot; the others in the sketch (so a step touches the
+        # sketch only for the rows it misses).
+        outside = ~cached
+        if train:
+            self.trained += 1
+            if self.learn:
+                self.sketch.add(u[outside])
+                self.slot_freq[slot[cached]] += 1
+                if self.decay_every and self.trained % self.decay_every == 0:
+                    self.sketch.halve()
+                    np.right_shift(self.slot_freq, 1, out=self.slot_freq)
+        freq = np.empty(len(u), dtype=np.int64)
+        freq[cached] = self.slot_freq[slot[cached]]
+        freq[outside] = self.sketch.estimate(u[outside])
+        staged_now = resident & outside
+        self.slot_freq[slot[staged_now]] = freq[staged_now]
         if train:
             per_row = np.bincount(inverse, minlength=len(u))
             hits = int(per_row[cached].sum())
