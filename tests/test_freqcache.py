@@ -284,3 +284,16 @@ def test_the_policy_sweep_compares_the_planner_with_belady(tmp_path, capsys):
     sweep.write_text("name: s\nalpha: [1.1]\nrows: [2000]\ncache_ratio: [0.05]\nbatch_id: [128]\n")
     assert main([str(sweep)]) == 2
     assert str(sweep) in capsys.readouterr().err
+
+
+def test_initial_weights_filled_by_threads_equal_the_tables_made_in_one_go():
+    from embbench.embedding import RowSpace
+
+    tables = [TableSpec("t0", 70_000, 4, 1, 1.0), TableSpec("t1", 3, 4, 1, 1.0), TableSpec("t2", 140_000, 4, 1, 1.0)]
+    space = RowSpace(tables)
+    init = lambda t, a, b: initial_weights(tables[t], t, 5, a, b)  # noqa: E731
+    serial, threaded = torch.empty(space.num_rows, 4), torch.empty(space.num_rows, 4)
+    space.fill_initial(serial, init, chunk=50_000, workers=1)
+    space.fill_initial(threaded, init, chunk=30_000, workers=3)
+    whole = torch.cat([init(t, 0, table.num_rows) for t, table in enumerate(tables)])
+    assert torch.equal(serial, whole) and torch.equal(threaded, whole)
