@@ -219,7 +219,7 @@ def test_a_prefetched_batch_that_is_never_used_does_not_stand_in_for_another():
        capacity=st.integers(1, 8), admission=st.sampled_from(["all", "tinylfu"]), ahead=st.integers(0, 3))
 def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(steps, capacity, admission, ahead):
     """Plan each batch while the previous one runs (as prefetch does): the running batch's
-    slots still hold its rows, every id gets the slot of its row, and the maps stay inverse."""
+    slots still hold its rows, every row gets a slot that holds it, and the maps stay inverse."""
     planner = SlotPlanner(num_rows=20, capacity=capacity, max_ids=6, admission=admission, decay_every=2)
     planner.preload(np.arange(capacity))
     batches = [np.array(s, dtype=np.int64) for s in steps]
@@ -232,11 +232,12 @@ def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(step
         if i:
             planner.expect(np.unique(rows), -1)
         plan = planner.plan(rows, train=True, running=None if running is None else running.id)
-        assert np.array_equal(planner.slot_row[plan.id_slots], rows), "an id's slot does not hold its row"
+        assert np.array_equal(planner.slot_row[plan.slots], np.unique(rows)), "a row's slot does not hold it"
         if running is not None:
-            assert np.array_equal(planner.slot_row[running.id_slots], batches[i - 1]), "a running batch's row moved"
-        assert not np.isin(plan.write_back_slots, plan.id_slots[np.isin(rows, plan.load_rows, invert=True)]).any()
-        assert planner.slot_dirty[plan.id_slots].all() and len(plan.load_slots) == len(plan.load_rows)
+            assert np.array_equal(planner.slot_row[running.slots], np.unique(batches[i - 1])), "a running batch's row moved"
+        kept = plan.slots[np.isin(np.unique(rows), plan.load_rows, invert=True)]
+        assert not np.isin(plan.write_back_slots, kept).any(), "a slot the batch reads was written back"
+        assert planner.slot_dirty[plan.slots].all() and len(plan.load_slots) == len(plan.load_rows)
         occupied = np.flatnonzero(planner.slot_row >= 0)
         assert np.array_equal(planner.row_slot[planner.slot_row[occupied]], occupied)
         assert np.array_equal(planner.slot_upcoming[occupied], planner.upcoming[planner.slot_row[occupied]])

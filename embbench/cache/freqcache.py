@@ -56,23 +56,27 @@ class FreqCacheParams(StrategyParams):
 
 @dataclass
 class _Upcoming:
-    """A batch's ids on their way to the host: ``[3, ids]`` = its global rows sorted, their
-    positions in the batch, and 1 where a new row starts (found on the device with fixed-size
-    ops, so the host only compacts)."""
+    """A batch's ids, sorted on the device (fixed-size ops), on their way to the host.
+
+    ``packed`` (on the host; pinned on CUDA) is ``[2, ids]``: the global rows sorted, and 1
+    where a new row starts. ``order`` and ``group`` stay on the device: the position in the
+    batch of each sorted id, and the index of its distinct row, so that the device turns the
+    plan's slot per distinct row into a slot per id.
+    """
 
     values: Tensor  # the batch's ids tensor, held so that its identity stays unique
-    packed: Tensor  # on the host (pinned on CUDA)
+    packed: Tensor
     copied: torch.cuda.Event | None
-    unique: tuple[np.ndarray, np.ndarray] | None = None  # (distinct rows, each id's index in them)
+    order: Tensor
+    group: Tensor
+    unique: tuple[np.ndarray, np.ndarray] | None = None  # (distinct rows, ids of each)
     expected: bool = False
 
     def distinct(self) -> tuple[np.ndarray, np.ndarray]:
         if self.unique is None:
-            sorted_rows, order, starts = self.packed.numpy()
-            starts = starts.astype(bool)
-            inverse = np.empty_like(order)
-            inverse[order] = np.cumsum(starts) - 1
-            self.unique = sorted_rows[starts], inverse
+            sorted_rows, starts = self.packed.numpy()
+            first = np.flatnonzero(starts)
+            self.unique = sorted_rows[first], np.diff(first, append=len(sorted_rows))
         return self.unique
 
 
@@ -163,9 +167,10 @@ class FreqCache(SparseModule):
         sorted_rows, order = rows.sort()
         starts = torch.ones_like(sorted_rows)
         torch.ne(sorted_rows[1:], sorted_rows[:-1], out=starts[1:])
-        packed = torch.stack([sorted_rows, order, starts])
+        group = torch.cumsum(starts, 0) - 1
+        packed = torch.stack([sorted_rows, starts])
         if not self.cuda:
-            return _Upcoming(features.values, packed, None)
+            return _Upcoming(features.values, packed, None, order, group)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         self._id_copies.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._id_copies):
@@ -173,10 +178,10 @@ class FreqCache(SparseModule):
             copied = torch.cuda.Event()
             copied.record()
         packed.record_stream(self._id_copies)
-        return _Upcoming(features.values, host, copied)
+        return _Upcoming(features.values, host, copied, order, group)
 
-    def _host_rows(self, features: SparseFeatures) -> tuple[np.ndarray, np.ndarray]:
-        """The batch's distinct global rows on the host, and each id's index among them."""
+    def _host_rows(self, features: SparseFeatures) -> _Upcoming:
+        """The batch's ids, sorted, on the host (its distinct rows counted out of the window)."""
         entry = self._upcoming.pop(id(features.values), None)
         if entry is None or entry.values is not features.values:
             entry = self._copy_rows(features)
@@ -184,22 +189,21 @@ class FreqCache(SparseModule):
         if entry.copied is not None and not entry.copied.query():
             self._own["pipeline_stalls"] += 1
             entry.copied.synchronize()
-        unique = entry.distinct()
         if entry.expected:
-            self.planner.expect(unique[0], -1)  # no longer upcoming: it is this batch
-        return unique
+            self.planner.expect(entry.distinct()[0], -1)  # no longer upcoming: it is this batch
+        return entry
 
     # -- planning and moving rows ------------------------------------------------------------------
 
-    def _plan(self, features: SparseFeatures, train: bool, running: int | None) -> Plan:
+    def _plan(self, features: SparseFeatures, train: bool, running: int | None) -> tuple[Plan, _Upcoming]:
         start = time.perf_counter()
-        unique = self._host_rows(features)
-        closes = train and self._observe(unique)
-        plan = self.planner.plan(unique, train, running)
+        entry = self._host_rows(features)
+        closes = train and self._observe(entry)
+        plan = self.planner.plan(entry.distinct(), train, running)
         if closes:
             self._window_end = self.counters()
         self._own["host_plan_us"] += round((time.perf_counter() - start) * 1e6)
-        return plan
+        return plan, entry
 
     def _wait(self, key: tuple[str, int]) -> None:
         """Wait (counted as a stall) until the copy that last used a pinned buffer is done."""
@@ -225,8 +229,9 @@ class FreqCache(SparseModule):
             event.synchronize()
         self.host.index_copy_(0, rows, self._pinned.rows_out[:count])
 
-    def _move(self, plan: Plan) -> Tensor:
-        """Do a plan's copies (on the side stream on CUDA); returns the batch's slots on the device."""
+    def _move(self, plan: Plan, entry: _Upcoming) -> Tensor:
+        """Do a plan's copies (on the side stream on CUDA); returns the slot of each id of the
+        batch, on the device."""
         b, dim, turn = self._pinned, self.dim, plan.id % 2
         stream = torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext()
         if self.cuda:
@@ -234,7 +239,7 @@ class FreqCache(SparseModule):
         with stream:
             self._finish_write_back()  # a row copied out by the last plan may be loaded now
             n_out, n_in = len(plan.write_back_slots), len(plan.load_slots)
-            packed = np.concatenate([plan.write_back_slots, plan.load_slots, plan.id_slots])
+            packed = np.concatenate([plan.write_back_slots, plan.load_slots, plan.slots])
             if self.cuda:  # all of a plan's indices in one copy
                 self._wait(("index", turn))
                 b.index[turn][: len(packed)].numpy()[:] = packed
@@ -263,9 +268,12 @@ class FreqCache(SparseModule):
                 in_slots = index[n_out : n_out + n_in]
                 self.cache_weights.index_copy_(0, in_slots, rows[:, :dim])
                 self.cache_state.index_copy_(0, in_slots, rows[:, dim:])
-            slots = index[n_out + n_in :]
+            # The slot of each distinct row, spread to the ids that use it.
+            slots = torch.empty_like(entry.order).index_copy_(0, entry.order, index[n_out + n_in :][entry.group])
         if self.cuda:
             slots.record_stream(torch.cuda.current_stream(self.device))
+            entry.order.record_stream(self._side)
+            entry.group.record_stream(self._side)
         return slots
 
     # -- the SparseModule interface ------------------------------------------------------------
@@ -275,8 +283,8 @@ class FreqCache(SparseModule):
         if prefetched is not None and prefetched[0] is features.values:
             slots, self._running = prefetched[1], prefetched[2]
         else:  # no step is running now: only this batch's rows are kept
-            plan = self._plan(features, torch.is_grad_enabled(), running=None)
-            slots, self._running = self._move(plan), plan.id
+            plan, entry = self._plan(features, torch.is_grad_enabled(), running=None)
+            slots, self._running = self._move(plan, entry), plan.id
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         offsets = features.offsets().to(self.device)
@@ -286,10 +294,10 @@ class FreqCache(SparseModule):
         """Plan the next batch and move its rows now; the running batch's slots are kept."""
         if not self.params.prefetch:
             return
-        plan = self._plan(features, True, running=self._running)
-        self._prefetched = (features.values, self._move(plan), plan.id)  # the tensor itself: an id() could be reused
+        plan, entry = self._plan(features, True, running=self._running)
+        self._prefetched = (features.values, self._move(plan, entry), plan.id)  # the tensor itself: an id() could be reused
 
-    def _observe(self, unique: tuple[np.ndarray, np.ndarray]) -> bool:
+    def _observe(self, entry: _Upcoming) -> bool:
         """A training batch, about to be planned: the recorded stream for the Belady bound and
         its counter window. Returns whether this batch closes the window."""
         step = self._observed
@@ -297,7 +305,7 @@ class FreqCache(SparseModule):
         start, stop = self._warmup_steps, self._warmup_steps + self.params.belady_steps
         if not self.params.belady_steps or step >= stop:
             return False
-        self._recorded.append(unique[0][unique[1]])  # the batch's rows, one per id
+        self._recorded.append(entry.packed[0].numpy().copy())  # the batch's rows, one per id (sorted)
         if step == start:
             self._window_start = self.counters()
         return step == stop - 1

@@ -1,7 +1,7 @@
 """freqcache's slot planner: which row sits in which device slot, decided on the host.
 
 The planner keeps the whole slot map in NumPy arrays and turns a batch's ids into a
-:class:`Plan`: the slot of every id, the rows to copy in (host -> device), and the dirty
+:class:`Plan`: the slot of every distinct row, the rows to copy in (host -> device), and the dirty
 rows to copy out (device -> host) before their slots are reused. The device then does a
 fixed handful of operations per step whatever the number of tables, and never has to be
 asked anything (no host synchronisation).
@@ -85,14 +85,14 @@ class Plan:
 
     Attributes:
         id: the plan's number (plans are numbered in the order they are made).
-        id_slots: the slot of every id of the batch, in the batch's order.
+        slots: the slot of each distinct row of the batch (in the order they were given).
         write_back_slots / write_back_rows: dirty rows to copy out, slot -> host row, before
             any load (a load may reuse the slot).
         load_slots / load_rows: rows to copy in, host row -> slot.
     """
 
     id: int
-    id_slots: np.ndarray
+    slots: np.ndarray
     write_back_slots: np.ndarray
     write_back_rows: np.ndarray
     load_slots: np.ndarray
@@ -173,13 +173,13 @@ class SlotPlanner:
 
         Args:
             batch: the batch's global rows, one per id; or already as ``(distinct rows,
-                each id's index among them)``.
+                how many ids each has)``.
             train: a training batch (counted, and its slots become dirty); else evaluation.
             running: the plan of a step that may still be running (its slots are kept).
         """
         pid = self.plans
         self.plans += 1
-        u, inverse = batch if isinstance(batch, tuple) else np.unique(batch, return_inverse=True)
+        u, per_row = batch if isinstance(batch, tuple) else np.unique(batch, return_counts=True)
         if len(u) > self.max_ids:
             raise ValueError(f"a batch has {len(u)} distinct rows, more than the {self.max_ids} ids the cache was sized for")
         slot = self.row_slot[u]
@@ -205,13 +205,13 @@ class SlotPlanner:
         staged_now = resident & outside
         self.slot_freq[slot[staged_now]] = freq[staged_now]
         if train:
-            per_row = np.bincount(inverse, minlength=len(u))
+            ids = int(per_row.sum())
             hits = int(per_row[cached].sum())
             c = self.counters
-            c["accesses"] += len(inverse)
+            c["accesses"] += ids
             c["unique_accesses"] += len(u)
             c["hits"] += hits
-            c["misses"] += len(inverse) - hits
+            c["misses"] += ids - hits
             c["unique_misses"] += int((~cached).sum())
 
         def unkept(slots: np.ndarray) -> np.ndarray:
@@ -275,7 +275,7 @@ class SlotPlanner:
             self.slot_dirty[batch_slots] = True  # backward updates them
         self.counters["rows_loaded"] += len(new_rows)
         wb_slots, wb_rows = (np.concatenate(parts) for parts in zip(*write_back))
-        return Plan(pid, batch_slots[inverse], wb_slots, wb_rows, to_slots, new_rows)
+        return Plan(pid, batch_slots, wb_slots, wb_rows, to_slots, new_rows)
 
     def _free_slots(self, need: int, unkept) -> np.ndarray:
         """``need`` slots that are not cached and not kept, scanned for from where the last
