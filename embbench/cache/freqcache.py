@@ -186,8 +186,9 @@ class FreqCache(SparseModule):
         if entry is None or entry.values is not features.values:
             entry = self._copy_rows(features)
             self._own["host_syncs"] += int(self.cuda)  # not looked ahead: its ids are waited for
-        if entry.copied is not None and not entry.copied.query():
-            self._own["pipeline_stalls"] += 1
+        elif entry.copied is not None and not entry.copied.query():
+            self._own["pipeline_stalls"] += 1  # looked ahead, but its copy is not done yet
+        if entry.copied is not None:
             entry.copied.synchronize()
         if entry.expected:
             self.planner.expect(entry.distinct()[0], -1)  # no longer upcoming: it is this batch
