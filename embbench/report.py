@@ -39,6 +39,16 @@ def _get(d: dict[str, Any] | None, *keys: str) -> Any:
     return d
 
 
+def _hit_rates(hit, bound, unique_hit, unique_bound) -> str:
+    """Per access (with its bound), and per distinct row when it has a bound of its own."""
+    if hit is None:
+        return f"{_pct(unique_hit)} uniq" if unique_hit is not None else ""
+    text = _pct(hit) + (f" ({_pct(bound)})" if bound is not None else "")
+    if unique_hit is not None and unique_bound is not None:
+        text += f"\nuniq {_pct(unique_hit)} ({_pct(unique_bound)})"
+    return text
+
+
 def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     m = r.metrics or {}
     step = m["step_time_s"]
@@ -60,8 +70,7 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
         "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else
                                                   " (no CI: no scipy)" if m["throughput"].get("ci95_missing") else ""),
         "speedup": f"{rate / base:.2f}x" if base else "-",
-        "hit rate\n(bound)": (_pct(hit) + (f" ({_pct(bound)})" if bound is not None else "") if hit is not None
-                               else f"{_pct(unique_hit)} uniq" if unique_hit is not None else ""),
+        "hit rate\n(bound)": _hit_rates(hit, bound, unique_hit, _get(m, "extra", "belady_unique_hit_rate")),
         "H2D / D2H\nMiB/step": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
         "comm\nMiB/step": f"{per_step['bytes_comm'] / 2**20:,.2f}" if per_step.get("bytes_comm") else "",
@@ -92,7 +101,8 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     columns = [c for c in (measured[0] if measured else {}) if any(row[c] for row in measured)]
     table = Table(title=title, header_style="bold",
                   caption=f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
-                          "where only that is counted), Belady's bound in brackets; device MiB: the largest rank; "
+                          "where only that is counted), Belady's bound in brackets (uniq: per distinct row of each "
+                          "batch); device MiB: the largest rank; "
                           "comm: bytes all ranks send to each other; ops: ATen operators per step, syncs: host waits (CUDA); "
                           "max |Δw| only where the training order is the baseline's")
     table.add_column("cell", no_wrap=True)
