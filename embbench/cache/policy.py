@@ -107,7 +107,7 @@ class SlotPlanner:
         capacity: rows the cache may hold (cached slots).
         max_ids: the most ids one batch may have (sizes the staged slots).
         admission: ``all`` or ``tinylfu``.
-        learn: count training batches in the sketch (False: frequencies stay the profile's).
+        learn: count the uses of training batches (False: frequencies stay the profile's).
         decay_every: halve the counts every this many training batches (0: never).
     """
 
