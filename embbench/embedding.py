@@ -39,7 +39,8 @@ class RowSpace:
             self._starts_on[device] = self.starts.to(device)
         return features.values + self._starts_on[device][features.table_of_each_id()]
 
-    def fill_initial(self, out: Tensor, init_weights, chunk: int = 1 << 18, workers: int | None = None) -> None:
+    def fill_initial(self, out: Tensor, init_weights, position=None, chunk: int = 1 << 18,
+                     workers: int | None = None) -> None:
         """Write every table's initial weights into ``out`` (``[num_rows, dim]``, any device),
         a chunk of rows at a time so that no second copy of the tables is ever held.
 
@@ -49,6 +50,7 @@ class RowSpace:
 
         Args:
             init_weights: ``init_weights(t, start, stop)`` as in BuildContext.
+            position: maps global rows (a CPU tensor) to rows of ``out``; identity if None.
             workers: threads (default: up to 8, at most the CPUs).
         """
         jobs = [(int(self.starts[t]), t, lo, min(table.num_rows, lo + chunk))
@@ -56,7 +58,11 @@ class RowSpace:
 
         def fill(job: tuple[int, int, int, int]) -> None:
             start, t, lo, hi = job
-            out[start + lo : start + hi] = init_weights(t, lo, hi).to(out.device)
+            block = init_weights(t, lo, hi).to(out.device)
+            if position is None:
+                out[start + lo : start + hi] = block
+            else:  # distinct rows per chunk: the chunks' writes never overlap
+                out[position(torch.arange(start + lo, start + hi)).to(out.device)] = block
 
         workers = workers or max(1, min(8, os.cpu_count() or 1, len(jobs)))
         if workers == 1:

@@ -298,3 +298,7 @@ def test_initial_weights_filled_by_threads_equal_the_tables_made_in_one_go():
     space.fill_initial(threaded, init, chunk=30_000, workers=3)
     whole = torch.cat([init(t, 0, table.num_rows) for t, table in enumerate(tables)])
     assert torch.equal(serial, whole) and torch.equal(threaded, whole)
+    reverse = torch.arange(space.num_rows - 1, -1, -1)
+    placed = torch.empty(space.num_rows, 4)
+    space.fill_initial(placed, init, position=lambda rows: reverse[rows], chunk=30_000, workers=3)
+    assert torch.equal(placed, whole.flip(0))
