@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from baselines.tables import WholeTables
 from embbench.cache import FreqCache, FreqCacheParams
-from embbench.cache.policy import FrequencySketch, SlotPlanner
+from embbench.cache.policy import _HISTOGRAM, FrequencySketch, SlotPlanner, _lowest
 from embbench.data import SparseFeatures, TableSpec
 from embbench.metrics import belady_hit_rate
 from embbench.optim import EmbeddingOptimizer
@@ -256,6 +256,18 @@ def test_tinylfu_keeps_a_hot_row_that_admit_all_would_evict():
         rates[admission] = planner.counters["hits"] / planner.counters["accesses"]
     assert rates["tinylfu"] > rates["all"]
     assert rates["all"] == 0 and rates["tinylfu"] == 5 / 12  # row 0 hits from its second batch on
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.sampled_from([0, 1, 2, 7, _HISTOGRAM - 1, _HISTOGRAM, _HISTOGRAM + 3, 1 << 40, (1 << 40) + 1]),
+                       min_size=1, max_size=60),
+       data=st.data())
+def test_the_lowest_priorities_are_found_with_ties_in_slot_order(values, data):
+    """Victim selection against a full sort by (priority, index), also beyond the histogram."""
+    values = np.array(values, dtype=np.int64)
+    k = data.draw(st.integers(1, len(values) + 2))
+    expected = np.lexsort((np.arange(len(values)), values))[:k]
+    assert np.array_equal(_lowest(values, k), expected)
 
 
 def test_the_sketch_counts_never_undercount_and_decay_halves_them():
