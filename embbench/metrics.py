@@ -186,12 +186,15 @@ def belady_hit_rates(steps: list[Tensor], capacity: int, skip: int = 0,
 
     Rows are counted once per step (a step's repeated ids of a row share its fate), MIN with
     bypass: after each step the cache keeps the rows whose next use comes soonest, so a
-    missing row is admitted only in place of a cached row used later. This is the
-    optimum per distinct row and step; per access (weighted by repeats) it is MIN's choice,
-    a near-optimal bound. Steps before ``skip`` are simulated but not counted, so the bound
-    covers the same window as the cache it is compared with. ``prefilled``: the cache
-    starts full of the best rows for free (as a cache preloaded at warm-up does), i.e. a
-    row that finds a free slot counts as a hit.
+    missing row is admitted only in place of a cached row used later; of rows next used in
+    the same step, the one with more ids there is kept. This is the optimum per distinct row
+    and step (any order of equal next uses is); per access (weighted by repeats) it is MIN's
+    choice with that tie-break, near-optimal, not a strict bound. (Without the tie-break,
+    when more rows recur in every step than the cache holds, MIN keeps an arbitrary share of
+    them and falls far below a frequency policy per access.) Steps before ``skip`` are
+    simulated but not counted, so the bound covers the same window as the cache it is
+    compared with. ``prefilled``: the cache starts full of the best rows for free (as a
+    cache preloaded at warm-up does), i.e. a row that finds a free slot counts as a hit.
     """
     import heapq
 
@@ -199,15 +202,16 @@ def belady_hit_rates(steps: list[Tensor], capacity: int, skip: int = 0,
     for ids in steps:
         rows, counts = torch.unique(ids, return_counts=True)
         unique_counts.append(dict(zip(rows.tolist(), counts.tolist())))
-    never = len(steps)
-    next_use: list[dict[int, int]] = [{} for _ in steps]
-    upcoming: dict[int, int] = {}
+    # A row's rank after each step: (when it is next used, minus its ids then); lower is kept.
+    never = (len(steps), 0)
+    next_use: list[dict[int, tuple[int, int]]] = [{} for _ in steps]
+    upcoming: dict[int, tuple[int, int]] = {}
     for t in range(len(steps) - 1, -1, -1):
-        for row in unique_counts[t]:
+        for row, count in unique_counts[t].items():
             next_use[t][row] = upcoming.get(row, never)
-            upcoming[row] = t
-    cached: dict[int, int] = {}  # row -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, row); stale entries are skipped
+            upcoming[row] = (t, -count)
+    cached: dict[int, tuple[int, int]] = {}  # row -> its rank
+    heap: list[tuple[int, int, int]] = []  # (minus the rank, row): the worst on top; stale entries are skipped
     hits = accesses = distinct_hits = distinct = 0
     for t, rows in enumerate(unique_counts):
         counted = t >= skip
@@ -218,24 +222,24 @@ def belady_hit_rates(steps: list[Tensor], capacity: int, skip: int = 0,
             if row in cached:
                 hits += count if counted else 0
                 distinct_hits += counted
-                cached[row] = next_use[t][row]
-                heapq.heappush(heap, (-next_use[t][row], row))
+                when, more = cached[row] = next_use[t][row]
+                heapq.heappush(heap, (-when, -more, row))
             else:
                 missing.append(row)
-        # After the step the cache keeps the rows used soonest: admit a missing row only
-        # in place of a cached one used later (or into a free slot).
+        # After the step the cache keeps the best-ranked rows: admit a missing row only in
+        # place of a cached one ranked worse (or into a free slot).
         for row in sorted(missing, key=lambda r: next_use[t][r]):
             if len(cached) < capacity and prefilled and counted:
                 hits += rows[row]
                 distinct_hits += 1
             if len(cached) >= capacity:
-                while cached.get(heap[0][1]) != -heap[0][0]:
+                while cached.get(heap[0][2]) != (-heap[0][0], -heap[0][1]):
                     heapq.heappop(heap)  # stale
-                if -heap[0][0] <= next_use[t][row]:
+                if (-heap[0][0], -heap[0][1]) <= next_use[t][row]:
                     continue
-                del cached[heapq.heappop(heap)[1]]
-            cached[row] = next_use[t][row]
-            heapq.heappush(heap, (-next_use[t][row], row))
+                del cached[heapq.heappop(heap)[2]]
+            when, more = cached[row] = next_use[t][row]
+            heapq.heappush(heap, (-when, -more, row))
     if not accesses:
         return None, None
     return hits / accesses, distinct_hits / distinct
