@@ -1,0 +1,52 @@
+"""Micro-benchmark of freqcache's host planning at the Criteo-Kaggle shape (batch 16384, 1.5 % cache).
+
+    .venv/bin/python -m pytest benchmarks/test_planner.py --benchmark-columns=median,iqr,max
+
+One round is the host's bookkeeping of one step, as freqcache does it: a batch enters the
+look-ahead window, the next one leaves it and is planned with the running one kept
+(:class:`~embbench.cache.policy.SlotPlanner`'s ``expect`` and ``plan``). The batches' ids are
+made and reduced to distinct rows before (on a GPU that is device work). At scale 1.0 the
+planner holds the full 33.8M-row maps (about 0.5 GB), not the tables. Not part of the test
+suite: speed is measured here, never asserted.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from embbench.cache.policy import SlotPlanner
+from embbench.data import Stream, SyntheticCriteo, make_tables
+from embbench.embedding import RowSpace
+
+BATCH, CACHE_RATIO, LOOKAHEAD, PROFILE, ROUNDS = 16384, 0.015, 8, 32, 30
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0])
+def test_plan_one_batch(benchmark, scale):
+    tables = make_tables("criteo_kaggle", dim=128, scale=scale)
+    space = RowSpace(tables)
+    data = SyntheticCriteo(tables, seed=0)
+    rows = [space.global_rows(data.batch(Stream.TRAIN, i, BATCH).sparse).numpy()
+            for i in range(PROFILE + ROUNDS + 5 + LOOKAHEAD + 1)]
+    planner = SlotPlanner(space.num_rows, math.ceil(CACHE_RATIO * space.num_rows), len(rows[0]), "tinylfu",
+                          decay_every=256)
+    planner.profile(rows[:PROFILE])
+    batches = [np.unique(r, return_counts=True) for r in rows[PROFILE:]]
+    for unique, _ in batches[1 : 1 + LOOKAHEAD]:
+        planner.expect(unique, +1)
+    state = {"i": 0, "running": planner.plan(batches[0], train=True).id}
+
+    def step():
+        i = state["i"] = state["i"] + 1
+        planner.expect(batches[i + LOOKAHEAD][0], +1)
+        planner.expect(batches[i][0], -1)
+        state["running"] = planner.plan(batches[i], train=True, running=state["running"]).id
+
+    for _ in range(5):  # warm-up, not measured
+        step()
+    benchmark.pedantic(step, rounds=ROUNDS, iterations=1)
+    c = planner.counters
+    benchmark.extra_info.update(rows=space.num_rows, capacity=planner.capacity,
+                                distinct_per_batch=c["unique_accesses"] / planner.plans,
+                                hit_rate=c["hits"] / c["accesses"])
