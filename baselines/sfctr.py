@@ -15,6 +15,8 @@ to the host, missing rows in) are applied in batch order, in ``prefetch`` of the
 when its plan is ready, else just before its lookup. Applying in order is what keeps a row that
 is evicted and re-admitted within the window right: its write-back precedes its reload.
 ``pipeline_depth: 0`` plans each batch in its own forward (every step waits for planning).
+Each step ends when the plans queued during it are done (``end_step``): the planner's work is
+timed in the step that started it, never left to run while the harness makes the next batch.
 
 Semantics are exact: the same weights as ``device``.
 """
@@ -25,7 +27,7 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,11 +39,12 @@ from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
+from embbench.worker import BackgroundWorker
 
 __all__ = ["MixCache", "SfctrParams", "SfctrStrategy"]
 
 _COUNTER_NAMES = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted", "rows_evicted",
-                  "rows_written_back", "bytes_h2d", "bytes_d2h", "host_syncs", "pipeline_stalls", "host_plan_us")
+                  "rows_written_back", "bytes_h2d", "bytes_d2h", "host_syncs", "pipeline_stalls", "host_plan_us", "host_wait_us")
 
 
 class SfctrParams(StrategyParams):
@@ -96,7 +99,7 @@ class MixCache(SparseModule):
         self._queue: deque[tuple[Tensor, Future]] = deque()  # planned batches not yet trained, in order
         self._unapplied: deque[_Plan] = deque()  # plans whose copies are still to be made, in order
         self._training: _Plan | None = None  # the batch whose step runs now
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="sfctr-plan") if params.pipeline_depth else None
+        self._planner = BackgroundWorker(self.device, "sfctr-plan") if params.pipeline_depth else None
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._counts = dict.fromkeys(_COUNTER_NAMES, 0)
 
@@ -265,9 +268,18 @@ class MixCache(SparseModule):
         self._training = plan
         return per_sample(pooled_lookup(self.store, plan.virtual_ids, offsets, self.device), features)
 
+    def end_step(self) -> None:
+        """The plans queued in this step are timed in it (they may be for later batches)."""
+        if self._planner is not None:
+            self._planner.wait()
+
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counts)
+            counts = dict(self._counts)
+        if self._planner is not None:  # the step's ends waiting for the planner
+            for name, value in self._planner.counters().items():
+                counts[name] += value
+        return counts
 
     def memory(self) -> MemoryFootprint:
         device = self.store.weights.nbytes + self.store.state.nbytes
@@ -292,7 +304,7 @@ class MixCache(SparseModule):
 
     def __del__(self):
         if getattr(self, "_planner", None) is not None:
-            self._planner.shutdown(wait=False, cancel_futures=True)
+            self._planner.shutdown()
 
 
 def _recorded(device: torch.device) -> torch.cuda.Event:

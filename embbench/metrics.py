@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import resource
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -49,26 +50,46 @@ class OpCounter:
     and, on CUDA, the operations that made the host wait for the device.
 
     It sees every op through a TorchDispatchMode, which slows the ops it watches: use it on
-    extra, untimed steps only.
+    extra, untimed steps only. A dispatch mode watches one thread: a strategy's own threads
+    count their ops into the counter active when their work was handed to them
+    (:attr:`active`, :meth:`watch`; see :class:`embbench.worker.BackgroundWorker`).
     """
+
+    #: The counter whose ``with`` block is running (on any thread), if one is.
+    active: "OpCounter | None" = None
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.ops = 0
         self.host_syncs: int | None = 0 if self.cuda else None
+        self._lock = threading.Lock()
 
-    def __enter__(self) -> "OpCounter":
+    def watch(self):
+        """A context manager that counts the ops the calling thread issues inside it."""
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counter = self
 
         class _Count(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = 0
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.ops += 1
+                self.ops += 1
                 return func(*args, **(kwargs or {}))
 
-        self._mode = _Count()
+            def __exit__(self, *exc):
+                super().__exit__(*exc)
+                with counter._lock:  # threads add their counts one at a time
+                    counter.ops += self.ops
+
+        return _Count()
+
+    def __enter__(self) -> "OpCounter":
+        self._mode = self.watch()
         self._mode.__enter__()
+        OpCounter.active = self
         if self.cuda:
             import warnings
 
@@ -80,6 +101,7 @@ class OpCounter:
         return self
 
     def __exit__(self, *exc) -> None:
+        OpCounter.active = None
         self._mode.__exit__(*exc)
         if self.cuda:
             torch.cuda.set_sync_debug_mode(self._sync_mode)

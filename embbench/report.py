@@ -20,7 +20,8 @@ _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": 
 
 #: Counters of the seed systems' bookkeeping, shown per step when a strategy reports them.
 _BOOKKEEPING = {"host_syncs": "syncs", "rows_synced": "rows synced", "hot_batches": "hot", "cold_batches": "cold",
-                "pipeline_stalls": "stalls", "host_plan_us": "plan µs"}
+                "pipeline_stalls": "stalls", "host_plan_us": "plan µs",
+                "host_wait_us": "wait µs"}
 
 
 def _mib(n: int | None) -> str:

@@ -184,6 +184,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         loss.backward()
         sparse.after_backward()
         dense_optimizer.step()
+        sparse.end_step()
         return loss.detach()
 
     def prepare(steps: int = 1) -> None:

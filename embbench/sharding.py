@@ -189,6 +189,9 @@ class TableWiseSharded(SparseModule):
     def after_backward(self) -> None:
         self.local.after_backward()
 
+    def end_step(self) -> None:
+        self.local.end_step()
+
     def counters(self) -> dict[str, int]:
         comm_us = self._comm_seconds * 1e6 + sum(s.elapsed_time(e) * 1e3 for s, e in self._comm_events)
         return {**self.local.counters(), "bytes_comm": self._bytes_comm, "comm_us": int(comm_us)}

@@ -52,6 +52,7 @@ COUNTERS = {
     "cold_batches": "training batches with at least one id outside the hot set",
     "pipeline_stalls": "times a step waited for the strategy's own pipeline (planning or copies not done)",
     "host_plan_us": "microseconds the host spent planning batches (slot assignment, staging)",
+    "host_wait_us": "microseconds the training thread waited for the strategy's background thread (planning it did not hide)",
 }
 
 #: ``exact``: a strategy trains the same weights as the baseline step for step (max |Δw| is
@@ -191,6 +192,12 @@ class SparseModule(torch.nn.Module, abc.ABC):
 
     def after_backward(self) -> None:
         """Called once per step after backward (for strategies that update there)."""
+
+    def end_step(self) -> None:
+        """Called at the end of every training step, inside its timed region: finish what the
+        step handed to the strategy's own threads or streams, so that the step's time
+        includes it (work left running would otherwise go on, untimed, while the harness
+        makes the next batch). Work for later batches may still overlap this step's compute."""
 
     def counters(self) -> dict[str, int]:
         """Cumulative counters; names from :data:`COUNTERS`."""

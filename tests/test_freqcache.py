@@ -80,14 +80,15 @@ def _check_maps(cache: FreqCache) -> None:
 @given(stream=streams(), opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]),
        ratio=st.sampled_from([1e-6, 0.1, 0.3, 1.0]), policy=st.sampled_from(["static", "lfu"]),
        admission=st.sampled_from(["all", "tinylfu"]), prefetch=st.booleans(), lookahead=st.integers(0, 3),
-       decay=st.sampled_from([0, 1, 3]), profile=st.integers(0, 2))
+       decay=st.sampled_from([0, 1, 3]), profile=st.integers(0, 2), thread=st.booleans())
 def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, admission, prefetch, lookahead,
-                                                     decay, profile):
+                                                     decay, profile, thread):
     tables, batches = stream
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
     reference = WholeTables(_context(tables, opt, batches))
     params = FreqCacheParams(cache_ratio=ratio, policy=policy, admission=admission, prefetch=prefetch,
-                             lookahead=lookahead, decay_every=decay, profile_batches=profile, belady_steps=3)
+                             lookahead=lookahead, decay_every=decay, profile_batches=profile, belady_steps=3,
+                             plan_thread=thread)
     cache = FreqCache(_context(tables, opt, batches), params)
     preloaded = cache.planner.num_cached
     expected = _train(reference, batches, prefetch=False)

@@ -17,6 +17,9 @@ buffers and synchronous copies.
 
 The next batch is planned and moved while the current one computes (``prefetch``); the
 current batch's slots are kept, so nothing a running step uses is evicted or overwritten.
+With ``plan_thread`` that work (and the look-ahead bookkeeping) runs on a background thread,
+beside the step's forward and backward, instead of between them; the step ends when it is
+done (``end_step``), so its time stays in the step's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +43,7 @@ from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
+from embbench.worker import BackgroundWorker
 
 __all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy"]
 
@@ -51,6 +56,7 @@ class FreqCacheParams(StrategyParams):
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
+    plan_thread: bool = Field(True, description="do that planning and loading on a background thread, beside the step's compute")
     belady_steps: int = Field(64, ge=0, description="training steps recorded for the Belady bound (0: off)")
 
 
@@ -139,8 +145,13 @@ class FreqCache(SparseModule):
         self._pending_write_back: tuple[torch.cuda.Event | None, Tensor, int] | None = None
         self._upcoming: dict[int, _Upcoming] = {}
         self._prefetched: tuple[Tensor, Tensor, int] | None = None  # (the batch's ids, their slots, plan)
+        self._prefetch_task: Future | None = None  # the worker's task that sets _prefetched
         self._running: int | None = None  # the plan of the last forwarded batch
         self._own = {"host_syncs": 0, "pipeline_stalls": 0, "host_plan_us": 0}
+        # Everything below that the planner touches (planner, _upcoming, _prefetched, _own's
+        # plan counters, the Belady recording) is touched by one thread at a time: the
+        # worker's tasks run in order, and the training thread waits for them first.
+        self._worker = BackgroundWorker(self.device, "freqcache-plan") if params.prefetch and params.plan_thread else None
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
@@ -151,6 +162,9 @@ class FreqCache(SparseModule):
     # -- ids on the host -------------------------------------------------------------------------
 
     def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
+        self._in_background(self._look_ahead, list(upcoming))
+
+    def _look_ahead(self, upcoming: list[SparseFeatures]) -> None:
         """Start copying the upcoming batches' rows to the host; count the rows of those
         already there as upcoming (they are then evicted last)."""
         for features in upcoming:
@@ -202,7 +216,7 @@ class FreqCache(SparseModule):
         closes = train and self._observe(entry)
         plan = self.planner.plan(entry.distinct(), train, running)
         if closes:
-            self._window_end = self.counters()
+            self._window_end = self._counters()
         self._own["host_plan_us"] += round((time.perf_counter() - start) * 1e6)
         return plan, entry
 
@@ -279,11 +293,30 @@ class FreqCache(SparseModule):
 
     # -- the SparseModule interface ------------------------------------------------------------
 
+    def _in_background(self, fn, *args) -> Future | None:
+        """Run ``fn`` on the worker thread if there is one, else now."""
+        if self._worker is None:
+            fn(*args)
+            return None
+        return self._worker.submit(fn, *args)
+
+    def _join(self, until: Future | None = None) -> None:
+        """Wait for the worker's tasks, or those up to ``until`` (the training thread reads
+        what they wrote next)."""
+        if self._worker is not None:
+            self._worker.wait(until)
+
     def forward(self, features: SparseFeatures) -> Tensor:
+        # The prefetch task wrote _prefetched; look-ahead tasks after it may go on (they touch
+        # only the planner's window and the id copies, which this path does not read).
+        prefetch, self._prefetch_task = self._prefetch_task, None
+        if prefetch is not None:
+            self._join(until=prefetch)
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] is features.values:
             slots, self._running = prefetched[1], prefetched[2]
         else:  # no step is running now: only this batch's rows are kept
+            self._join()
             plan, entry = self._plan(features, torch.is_grad_enabled(), running=None)
             slots, self._running = self._move(plan, entry), plan.id
         if self.cuda:
@@ -293,10 +326,18 @@ class FreqCache(SparseModule):
 
     def prefetch(self, features: SparseFeatures) -> None:
         """Plan the next batch and move its rows now; the running batch's slots are kept."""
-        if not self.params.prefetch:
-            return
-        plan, entry = self._plan(features, True, running=self._running)
+        if self.params.prefetch:
+            self._prefetch_task = self._in_background(self._prefetch, features, self._running)
+
+    def _prefetch(self, features: SparseFeatures, running: int | None) -> None:
+        plan, entry = self._plan(features, True, running=running)
         self._prefetched = (features.values, self._move(plan, entry), plan.id)  # the tensor itself: an id() could be reused
+
+    def end_step(self) -> None:
+        """The next batch's planning and copies belong to this step's time: wait for them."""
+        self._join()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def _observe(self, entry: _Upcoming) -> bool:
         """A training batch, about to be planned: the recorded stream for the Belady bound and
@@ -308,18 +349,26 @@ class FreqCache(SparseModule):
             return False
         self._recorded.append(entry.packed[0].numpy().copy())  # the batch's rows, one per id (sorted)
         if step == start:
-            self._window_start = self.counters()
+            self._window_start = self._counters()
         return step == stop - 1
 
     # -- reporting -----------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
+        self._join()
+        return self._counters()
+
+    def _counters(self) -> dict[str, int]:
         c = dict(self.planner.counters)
         loaded = c.pop("rows_loaded")
-        return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
-                **self._own}
+        own = {**self._own, "host_wait_us": 0}
+        if self._worker is not None:  # its waits for the planning thread
+            for name, value in self._worker.counters().items():
+                own[name] += value
+        return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes, **own}
 
     def memory(self) -> MemoryFootprint:
+        self._join()
         device = self.cache_weights.nbytes + self.cache_state.nbytes
         b = self._pinned
         staging = sum(t.nbytes for t in (*b.rows_in, *b.index, b.rows_out))
@@ -330,6 +379,7 @@ class FreqCache(SparseModule):
 
     def flush(self) -> list[Tensor]:
         """Write every dirty slot back, then return the tables."""
+        self._join()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         self._finish_write_back()
@@ -343,11 +393,12 @@ class FreqCache(SparseModule):
     def extra_metrics(self) -> dict:
         """Belady's MIN on the recorded training stream at this capacity (per access and per
         distinct row of each batch), beside this cache's own rates on the same window."""
+        self._join()
         out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "policy": self.params.policy,
                      "admission": self.params.admission, "lookahead": self.lookahead}
         if self._window_start is None:
             return out
-        end = self._window_end if self._window_end is not None else self.counters()  # a run shorter than the window
+        end = self._window_end if self._window_end is not None else self._counters()  # a run shorter than the window
         window = {k: end[k] - self._window_start[k] for k in end}
         # MIN from the window's start with the best possible content for free (the rows used
         # soonest): a bound for any preload, the profile's included.
