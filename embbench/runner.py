@@ -117,6 +117,15 @@ def _check_finite(losses: list[torch.Tensor], first_step: int) -> None:
                        f"({float(losses[bad])}); training diverged")
 
 
+def _check_finite_values(named: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`Diverged` if a value is not finite (training can blow the weights up
+    while the loss stays finite, or poison rows that no later batch reads)."""
+    for name, t in named.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise Diverged(f"{name} hold {bad} non-finite value(s) after training; training diverged")
+
+
 def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path | None = None,
              process_group: Any = None, schedule: Schedule | None = None, progress: str | None = None,
              profile_path: Path | None = None) -> dict[str, Any]:
@@ -267,12 +276,14 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         all_logits, all_labels = torch.cat(logits), torch.cat(labels)
         if env.world_size > 1:
             all_logits, all_labels = _gather(all_logits, process_group), _gather(all_labels, process_group)
+        _check_finite_values({"the evaluation logits": all_logits})
         auc, logloss = auc_logloss(all_logits, all_labels)
         accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel())
 
     weights_file = None
     if weights_path is not None:
         flushed = sparse.flush()
+        _check_finite_values({f"the trained weights of table {i}": t for i, t in enumerate(flushed)})
         if env.rank == 0:
             weights_path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(flushed, weights_path)

@@ -64,7 +64,9 @@ def hook_plugins(tmp_path, monkeypatch):
     """`reverser`: device that trains the run's samples in reverse order, tags each batch,
     and records what lookahead, prefetch and forward receive."""
     _install_plugin(tmp_path / "hooksite", "hook_plugin", {"reverser": "hook_plugin:Reverser",
-                                                           "nan_maker": "hook_plugin:NanMaker"}, """
+                                                           "nan_maker": "hook_plugin:NanMaker",
+                                                           "nan_in_eval": "hook_plugin:NanInEval",
+                                                           "nan_in_weights": "hook_plugin:NanInWeights"}, """
         import torch
         from baselines.tables import DeviceStrategy
         from embbench.strategy import Schedule
@@ -113,6 +115,30 @@ def hook_plugins(tmp_path, monkeypatch):
                     return out * float("nan") if calls[0] > 2 else out
 
                 module.forward = nan_after_two
+                return module
+
+        class NanInEval(DeviceStrategy):  # finite training loss, NaN evaluation outputs
+            name = "nan_in_eval"
+
+            def build(self, ctx):
+                module = super().build(ctx)
+                forward = module.forward
+                module.forward = lambda f: forward(f) if torch.is_grad_enabled() else forward(f) * float("nan")
+                return module
+
+        class NanInWeights(DeviceStrategy):  # a poisoned row that no batch reads
+            name = "nan_in_weights"
+
+            def build(self, ctx):
+                module = super().build(ctx)
+                flush = module.flush
+
+                def poisoned():
+                    tables = flush()
+                    tables[1][-1, 0] = float("inf")
+                    return tables
+
+                module.flush = poisoned
                 return module
         """, monkeypatch)
     import hook_plugin
@@ -178,6 +204,17 @@ def test_a_nan_loss_is_recorded_as_diverged_with_its_step(hook_plugins, tmp_path
         run_cell(scenario, Cell("nan_maker"), CPU)
     records = {r.strategy: r for r in run_cells(scenario, "t", cells, tmp_path)}
     assert records["nan_maker"].status == "diverged" and "step 2" in records["nan_maker"].message
+
+
+@pytest.mark.parametrize("strategy, message", [("nan_in_eval", "the evaluation logits hold 64 non-finite"),
+                                               ("nan_in_weights", "the trained weights of table 1 hold 1 non-finite")])
+def test_non_finite_outputs_or_weights_after_a_finite_loss_are_recorded_as_diverged(hook_plugins, tmp_path, strategy,
+                                                                                      message):
+    raw = tiny_scenario(strategies=[{"name": "device"}, {"name": strategy}])
+    scenario, cells = parse_scenario(raw, "t")
+    records = {r.strategy: r for r in run_cells(scenario, "t", cells, tmp_path)}
+    assert records["device"].status == "ok"
+    assert records[strategy].status == "diverged" and message in records[strategy].message
 
 
 def test_warm_up_runs_until_the_miss_rate_stops_falling():
