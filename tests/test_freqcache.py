@@ -250,7 +250,23 @@ def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(step
         assert np.array_equal(planner.row_slot[planner.slot_row[occupied]], occupied)
         assert np.array_equal(planner.slot_upcoming[occupied], planner.upcoming[planner.slot_row[occupied]])
         assert int(planner.slot_cached.sum()) == planner.num_cached <= capacity
+        for row in np.flatnonzero(planner.upcoming):  # the nearest window batch that uses it
+            assert planner.next_use[row] == min(n for n, r in planner._window if row in r)
         running = plan
+
+
+def test_of_rows_the_window_uses_the_one_needed_last_is_evicted_first():
+    """Belady's order inside the look-ahead window: row 1 is next used in the first window
+    batch, row 0 only after it (though twice): row 0 gives its slot to the missing row 5."""
+    planner = SlotPlanner(num_rows=10, capacity=2, max_ids=2, admission="all", learn=False)
+    planner.preload(np.array([0, 1]))
+    for rows in ([5], [1], [0], [0]):  # the batch planned next, then the window behind it
+        planner.expect(np.array(rows), +1)
+    planner.expect(np.array([5]), -1)
+    planner.plan(np.array([5]), train=True)
+    assert planner.row_slot[0] == -1 and planner.row_slot[1] >= 0 and planner.slot_cached[planner.row_slot[5]]
+    planner.expect(np.array([0]), -1)  # the first batch with row 0 is planned: its next use is the other one
+    assert planner.next_use[0] == 4
 
 
 def test_tinylfu_keeps_a_hot_row_that_admit_all_would_evict():

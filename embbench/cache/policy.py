@@ -17,8 +17,9 @@ that uses it may still run, and a staged row that the next batch needs is used w
 Policy: a cached row counts its uses in its slot; every other row's frequency is
 estimated by a count-min sketch (TinyLFU), so a step touches the sketch only for the rows
 it misses. Both are halved every ``decay_every`` training batches, so a drifting stream is
-followed. A row's score is its frequency plus a large bonus per upcoming (looked-ahead)
-batch that uses it, so rows the next batches need are evicted last. Admission ``tinylfu``
+followed. A row's score is its frequency plus a large bonus if an upcoming (looked-ahead)
+batch uses it, the larger the nearer that batch (Belady's order inside the window), so rows
+the next batches need are evicted last, the furthest-needed first. Admission ``tinylfu``
 admits a missing row only in place of a cached row with a lower score (or into free
 capacity); ``all`` admits every missing row the capacity allows.
 """
@@ -31,7 +32,8 @@ import numpy as np
 
 __all__ = ["FrequencySketch", "Plan", "SlotPlanner"]
 
-#: Score bonus per upcoming batch that uses a row: above any frequency the sketch can hold.
+#: Score bonus per batch of the window by which a row's next use is nearer than the window's
+#: end: above any frequency the sketch can hold.
 _UPCOMING = 1 << 40
 
 
@@ -149,6 +151,9 @@ class SlotPlanner:
         self.slot_freq = np.zeros(self.num_slots, dtype=np.int64)  # the row's frequency when last seen
         self.upcoming = np.zeros(num_rows, dtype=np.int32)  # looked-ahead batches that use each row
         self.slot_upcoming = np.zeros(self.num_slots, dtype=np.int32)  # the same, per slot (no gather by row)
+        self.next_use = np.zeros(num_rows, dtype=np.int64)  # the window batch (number) a row is next used in
+        self._window: list[tuple[int, np.ndarray]] = []  # looked-ahead batches: (number, sorted distinct rows)
+        self._entered = 0
         self.num_cached = 0
         self._cursor = 0  # where the search for free slots goes on
         self.plans = 0
@@ -182,13 +187,38 @@ class SlotPlanner:
         return slots
 
     def expect(self, unique_rows: np.ndarray, sign: int) -> None:
-        """A looked-ahead batch's distinct rows enter (+1) or leave (-1) the window."""
+        """A looked-ahead batch's distinct rows (sorted) enter (+1) or leave (-1) the window.
+
+        Batches enter in the order they will be planned; each row keeps the number of the
+        nearest window batch that uses it (``next_use``)."""
+        if sign > 0:
+            self._entered += 1
+            first = unique_rows[self.upcoming[unique_rows] == 0]
+            self.next_use[first] = self._entered
+            self._window.append((self._entered, unique_rows))
         self.upcoming[unique_rows] += sign
+        if sign < 0:  # rows next used in the leaving batch: their next use is the next batch with them
+            at = next(i for i, (_, r) in enumerate(self._window)
+                      if len(r) == len(unique_rows) and np.array_equal(r, unique_rows))
+            number, _ = self._window.pop(at)
+            pending = unique_rows[(self.upcoming[unique_rows] > 0) & (self.next_use[unique_rows] == number)]
+            for n, r in self._window:
+                if not len(pending):
+                    break
+                pos = np.minimum(np.searchsorted(r, pending), len(r) - 1)
+                found = r[pos] == pending
+                self.next_use[pending[found]] = n
+                pending = pending[~found]
         slots = self.row_slot[unique_rows]
         self.slot_upcoming[slots[slots >= 0]] += sign
 
     def _score(self, rows: np.ndarray, freq: np.ndarray) -> np.ndarray:
-        return freq + _UPCOMING * self.upcoming[rows].astype(np.int64)
+        return freq + self._bonus(rows, self.upcoming[rows] > 0)
+
+    def _bonus(self, rows: np.ndarray, upcoming: np.ndarray) -> np.ndarray:
+        """Belady's order inside the window: the sooner a row's next looked-ahead use, the
+        larger its bonus; a row the window does not use gets none."""
+        return np.where(upcoming, _UPCOMING * (self._entered + 1 - self.next_use[rows]), 0)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -252,7 +282,7 @@ class SlotPlanner:
         wanted = len(candidates) - room
         if wanted > 0:
             pool = unkept(np.flatnonzero(self.slot_cached))
-            priority = self.slot_freq[pool] + _UPCOMING * self.slot_upcoming[pool].astype(np.int64)
+            priority = self.slot_freq[pool] + self._bonus(self.slot_row[pool], self.slot_upcoming[pool] > 0)
             if self.admission != "all":  # only a slot below the best candidate's score can be taken
                 below = priority < score[room]
                 pool, priority = pool[below], priority[below]
@@ -343,5 +373,5 @@ class SlotPlanner:
     @property
     def nbytes(self) -> int:
         arrays = (self.row_slot, self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq,
-                  self.upcoming, self.slot_upcoming)
+                  self.upcoming, self.slot_upcoming, self.next_use)
         return sum(a.nbytes for a in arrays) + self.sketch.nbytes
