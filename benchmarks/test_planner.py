@@ -19,27 +19,28 @@ from embbench.cache.policy import SlotPlanner
 from embbench.data import Stream, SyntheticCriteo, make_tables
 from embbench.embedding import RowSpace
 
-BATCH, CACHE_RATIO, LOOKAHEAD, PROFILE, ROUNDS = 16384, 0.015, 8, 32, 30
+BATCH, CACHE_RATIO, PROFILE, ROUNDS = 16384, 0.015, 32, 30
 
 
+@pytest.mark.parametrize("lookahead", [8, 32])
 @pytest.mark.parametrize("scale", [0.1, 1.0])
-def test_plan_one_batch(benchmark, scale):
+def test_plan_one_batch(benchmark, scale, lookahead):
     tables = make_tables("criteo_kaggle", dim=128, scale=scale)
     space = RowSpace(tables)
     data = SyntheticCriteo(tables, seed=0)
     rows = [space.global_rows(data.batch(Stream.TRAIN, i, BATCH).sparse).numpy()
-            for i in range(PROFILE + ROUNDS + 5 + LOOKAHEAD + 1)]
+            for i in range(PROFILE + ROUNDS + 5 + lookahead + 1)]
     planner = SlotPlanner(space.num_rows, math.ceil(CACHE_RATIO * space.num_rows), len(rows[0]), "tinylfu",
                           decay_every=256)
     planner.profile(rows[:PROFILE])
     batches = [np.unique(r, return_counts=True) for r in rows[PROFILE:]]
-    for unique, _ in batches[1 : 1 + LOOKAHEAD]:
+    for unique, _ in batches[1 : 1 + lookahead]:
         planner.expect(unique, +1)
     state = {"i": 0, "running": planner.plan(batches[0], train=True).id}
 
     def step():
         i = state["i"] = state["i"] + 1
-        planner.expect(batches[i + LOOKAHEAD][0], +1)
+        planner.expect(batches[i + lookahead][0], +1)
         planner.expect(batches[i][0], -1)
         state["running"] = planner.plan(batches[i], train=True, running=state["running"]).id
 

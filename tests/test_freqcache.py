@@ -251,8 +251,32 @@ def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(step
         assert np.array_equal(planner.slot_upcoming[occupied], planner.upcoming[planner.slot_row[occupied]])
         assert int(planner.slot_cached.sum()) == planner.num_cached <= capacity
         for row in np.flatnonzero(planner.upcoming):  # the nearest window batch that uses it
-            assert planner.next_use[row] == min(n for n, r in planner._window if row in r)
+            assert planner.next_use[row] == min(n for n, _, r in planner._window if row in r)
         running = plan
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.one_of(st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True),
+                              st.integers(0, 7)), max_size=30))
+def test_next_use_is_the_nearest_window_batch_whatever_order_batches_leave_in(ops):
+    """Batches (lists of rows) enter the window; an integer makes the window's batch at that
+    index leave (not only the oldest: a look-ahead copy may finish late). Every row the
+    window uses keeps the number of the first entered window batch that has it."""
+    planner = SlotPlanner(num_rows=12, capacity=2, max_ids=5)
+    window = []  # (number, rows) in entry order: the reference
+    for op in ops:
+        if isinstance(op, list):
+            rows = np.unique(op)
+            planner.expect(rows, +1)
+            window.append((planner._entered, rows))
+        elif window:
+            _, rows = window.pop(op % len(window))
+            planner.expect(rows, -1)
+        for row in range(12):
+            numbers = [n for n, r in window if row in r]
+            assert planner.upcoming[row] == len(numbers)
+            if numbers:
+                assert planner.next_use[row] == min(numbers)
 
 
 def test_of_rows_the_window_uses_the_one_needed_last_is_evicted_first():

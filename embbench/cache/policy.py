@@ -151,9 +151,16 @@ class SlotPlanner:
         self.slot_freq = np.zeros(self.num_slots, dtype=np.int64)  # the row's frequency when last seen
         self.upcoming = np.zeros(num_rows, dtype=np.int32)  # looked-ahead batches that use each row
         self.slot_upcoming = np.zeros(self.num_slots, dtype=np.int32)  # the same, per slot (no gather by row)
-        self.next_use = np.zeros(num_rows, dtype=np.int64)  # the window batch (number) a row is next used in
-        self._window: list[tuple[int, np.ndarray]] = []  # looked-ahead batches: (number, sorted distinct rows)
+        self.next_use = np.zeros(num_rows, dtype=np.int32)  # the window batch (number) a row is next used in
+        self._window: list[tuple[int, int, np.ndarray]] = []  # looked-ahead batches: (number, place, distinct rows)
         self._entered = 0
+        # Each row's occurrences in the window, a doubly linked list in entry order: an
+        # occurrence is ``place * max_ids + position`` (a window batch's place in the arrays
+        # below, its row's position in it); -1 ends a list.
+        self._latest = np.full(num_rows, -1, dtype=np.int32)  # a row's last occurrence
+        self._following = np.full((0, max_ids), -1, dtype=np.int32)  # [place, position]: the row's next occurrence
+        self._preceding = np.full((0, max_ids), -1, dtype=np.int32)  # ... and its previous one
+        self._place_number = np.zeros(0, dtype=np.int32)  # the number of the batch at each place (0: free)
         self.num_cached = 0
         self._cursor = 0  # where the search for free slots goes on
         self.plans = 0
@@ -190,27 +197,61 @@ class SlotPlanner:
         """A looked-ahead batch's distinct rows (sorted) enter (+1) or leave (-1) the window.
 
         Batches enter in the order they will be planned; each row keeps the number of the
-        nearest window batch that uses it (``next_use``)."""
+        nearest window batch that uses it (``next_use``). Batches may leave in any order: the
+        one that entered as this array leaves (else the oldest with these rows); the work is
+        linear in the batch's rows, whatever the window's length."""
+        if len(unique_rows) > self.max_ids:
+            raise ValueError(f"a batch has {len(unique_rows)} distinct rows, more than the {self.max_ids} ids the cache was sized for")
+        positions = np.arange(len(unique_rows), dtype=np.int32)
         if sign > 0:
             self._entered += 1
-            first = unique_rows[self.upcoming[unique_rows] == 0]
-            self.next_use[first] = self._entered
-            self._window.append((self._entered, unique_rows))
+            place = self._free_place()
+            self._place_number[place] = self._entered
+            occurrence = place * self.max_ids + positions
+            latest = self._latest[unique_rows]
+            again = latest >= 0
+            self._preceding[place, : len(unique_rows)] = latest
+            self._following[place, : len(unique_rows)] = -1
+            self._following.reshape(-1)[latest[again]] = occurrence[again]
+            self.next_use[unique_rows[~again]] = self._entered
+            self._latest[unique_rows] = occurrence
+            self._window.append((self._entered, place, unique_rows))
+        else:
+            at = next((i for i, (_, _, r) in enumerate(self._window) if r is unique_rows), None)
+            if at is None:  # not the array that entered: the oldest with the same rows
+                at = next(i for i, (_, _, r) in enumerate(self._window)
+                          if len(r) == len(unique_rows) and np.array_equal(r, unique_rows))
+            _, place, _ = self._window.pop(at)
+            self._place_number[place] = 0
+            preceding = self._preceding[place, : len(unique_rows)]
+            following = self._following[place, : len(unique_rows)]
+            before, after = preceding >= 0, following >= 0
+            # Unlink the leaving occurrences (a batch that is not the oldest has some before it).
+            self._following.reshape(-1)[preceding[before]] = following[before]
+            self._preceding.reshape(-1)[following[after]] = preceding[after]
+            self._latest[unique_rows[~after]] = preceding[~after]
+            # Rows next used in the leaving batch: their next use is the next batch with them.
+            now_first = ~before & after
+            self.next_use[unique_rows[now_first]] = self._place_number[following[now_first] // self.max_ids]
         self.upcoming[unique_rows] += sign
-        if sign < 0:  # rows next used in the leaving batch: their next use is the next batch with them
-            at = next(i for i, (_, r) in enumerate(self._window)
-                      if len(r) == len(unique_rows) and np.array_equal(r, unique_rows))
-            number, _ = self._window.pop(at)
-            pending = unique_rows[(self.upcoming[unique_rows] > 0) & (self.next_use[unique_rows] == number)]
-            for n, r in self._window:
-                if not len(pending):
-                    break
-                pos = np.minimum(np.searchsorted(r, pending), len(r) - 1)
-                found = r[pos] == pending
-                self.next_use[pending[found]] = n
-                pending = pending[~found]
         slots = self.row_slot[unique_rows]
         self.slot_upcoming[slots[slots >= 0]] += sign
+
+    def _free_place(self) -> int:
+        """A free place for a window batch in the linked lists' arrays (which grow as needed)."""
+        free = np.flatnonzero(self._place_number == 0)
+        if len(free):
+            return int(free[0])
+        place = len(self._place_number)
+        grown = max(4, 2 * place)
+        if grown * self.max_ids > np.iinfo(np.int32).max:
+            raise ValueError(f"freqcache: a look-ahead window of {grown} batches of {self.max_ids} ids is too large")
+        self._place_number = np.concatenate([self._place_number, np.zeros(grown - place, dtype=np.int32)])
+        for name in ("_following", "_preceding"):
+            grown_links = np.full((grown, self.max_ids), -1, dtype=np.int32)
+            grown_links[:place] = getattr(self, name)
+            setattr(self, name, grown_links)
+        return place
 
     def _score(self, rows: np.ndarray, freq: np.ndarray) -> np.ndarray:
         return freq + self._bonus(rows, self.upcoming[rows] > 0)
@@ -218,7 +259,7 @@ class SlotPlanner:
     def _bonus(self, rows: np.ndarray, upcoming: np.ndarray) -> np.ndarray:
         """Belady's order inside the window: the sooner a row's next looked-ahead use, the
         larger its bonus; a row the window does not use gets none."""
-        return np.where(upcoming, _UPCOMING * (self._entered + 1 - self.next_use[rows]), 0)
+        return np.where(upcoming, _UPCOMING * (self._entered + 1 - self.next_use[rows].astype(np.int64)), 0)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -373,5 +414,5 @@ class SlotPlanner:
     @property
     def nbytes(self) -> int:
         arrays = (self.row_slot, self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq,
-                  self.upcoming, self.slot_upcoming, self.next_use)
+                  self.upcoming, self.slot_upcoming, self.next_use, self._latest, self._following, self._preceding)
         return sum(a.nbytes for a in arrays) + self.sketch.nbytes
