@@ -248,10 +248,10 @@ def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(step
         assert planner.slot_dirty[plan.slots].all() and len(plan.load_slots) == len(plan.load_rows)
         occupied = np.flatnonzero(planner.slot_row >= 0)
         assert np.array_equal(planner.row_slot[planner.slot_row[occupied]], occupied)
-        assert np.array_equal(planner.slot_upcoming[occupied], planner.upcoming[planner.slot_row[occupied]])
+        assert np.array_equal(planner.slot_next_use[occupied], planner.next_use[planner.slot_row[occupied]])
         assert int(planner.slot_cached.sum()) == planner.num_cached <= capacity
-        for row in np.flatnonzero(planner.upcoming):  # the nearest window batch that uses it
-            assert planner.next_use[row] == min(n for n, _, r in planner._window if row in r)
+        for row in range(20):  # the nearest window batch that uses it (0: none)
+            assert planner.next_use[row] == min((n for n, _, r in planner._window if row in r), default=0)
         running = plan
 
 
@@ -273,10 +273,7 @@ def test_next_use_is_the_nearest_window_batch_whatever_order_batches_leave_in(op
             _, rows = window.pop(op % len(window))
             planner.expect(rows, -1)
         for row in range(12):
-            numbers = [n for n, r in window if row in r]
-            assert planner.upcoming[row] == len(numbers)
-            if numbers:
-                assert planner.next_use[row] == min(numbers)
+            assert planner.next_use[row] == min((n for n, r in window if row in r), default=0)
 
 
 def test_of_rows_the_window_uses_the_one_needed_last_is_evicted_first():

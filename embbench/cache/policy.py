@@ -149,11 +149,13 @@ class SlotPlanner:
         self.slot_dirty = np.zeros(self.num_slots, dtype=bool)
         self.slot_plan = np.full(self.num_slots, -1, dtype=np.int64)  # the last plan that used the slot
         self.slot_freq = np.zeros(self.num_slots, dtype=np.int64)  # the row's frequency when last seen
-        self.upcoming = np.zeros(num_rows, dtype=np.int32)  # looked-ahead batches that use each row
-        self.slot_upcoming = np.zeros(self.num_slots, dtype=np.int32)  # the same, per slot (no gather by row)
-        self.next_use = np.zeros(num_rows, dtype=np.int32)  # the window batch (number) a row is next used in
+        # The number of the nearest look-ahead (window) batch that uses a row (0: none), and
+        # the same per slot (so victims are ranked without a gather by row).
+        self.next_use = np.zeros(num_rows, dtype=np.int32)
+        self.slot_next_use = np.zeros(self.num_slots, dtype=np.int32)
         self._window: list[tuple[int, int, np.ndarray]] = []  # looked-ahead batches: (number, place, distinct rows)
         self._entered = 0
+        self._last_plan: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))  # (id, slots) of the last plan
         # Each row's occurrences in the window, a doubly linked list in entry order: an
         # occurrence is ``place * max_ids + position`` (a window batch's place in the arrays
         # below, its row's position in it); -1 ends a list.
@@ -189,7 +191,7 @@ class SlotPlanner:
         self.slot_row[slots], self.row_slot[rows] = rows, slots
         self.slot_cached[slots] = True
         self.slot_freq[slots] = self.sketch.estimate(rows)
-        self.slot_upcoming[slots] = self.upcoming[rows]
+        self.slot_next_use[slots] = self.next_use[rows]
         self.num_cached = len(rows)
         return slots
 
@@ -213,9 +215,9 @@ class SlotPlanner:
             self._preceding[place, : len(unique_rows)] = latest
             self._following[place, : len(unique_rows)] = -1
             self._following.reshape(-1)[latest[again]] = occurrence[again]
-            self.next_use[unique_rows[~again]] = self._entered
             self._latest[unique_rows] = occurrence
             self._window.append((self._entered, place, unique_rows))
+            self._set_next_use(unique_rows[~again], self._entered)
         else:
             at = next((i for i, (_, _, r) in enumerate(self._window) if r is unique_rows), None)
             if at is None:  # not the array that entered: the oldest with the same rows
@@ -231,11 +233,14 @@ class SlotPlanner:
             self._preceding.reshape(-1)[following[after]] = preceding[after]
             self._latest[unique_rows[~after]] = preceding[~after]
             # Rows next used in the leaving batch: their next use is the next batch with them.
-            now_first = ~before & after
-            self.next_use[unique_rows[now_first]] = self._place_number[following[now_first] // self.max_ids]
-        self.upcoming[unique_rows] += sign
-        slots = self.row_slot[unique_rows]
-        self.slot_upcoming[slots[slots >= 0]] += sign
+            first = ~before
+            self._set_next_use(unique_rows[first], np.where(after[first], self._place_number[following[first] // self.max_ids], 0))
+
+    def _set_next_use(self, rows: np.ndarray, number) -> None:
+        self.next_use[rows] = number
+        slots = self.row_slot[rows]
+        held = slots >= 0
+        self.slot_next_use[slots[held]] = number if np.isscalar(number) else number[held]
 
     def _free_place(self) -> int:
         """A free place for a window batch in the linked lists' arrays (which grow as needed)."""
@@ -253,13 +258,10 @@ class SlotPlanner:
             setattr(self, name, grown_links)
         return place
 
-    def _score(self, rows: np.ndarray, freq: np.ndarray) -> np.ndarray:
-        return freq + self._bonus(rows, self.upcoming[rows] > 0)
-
-    def _bonus(self, rows: np.ndarray, upcoming: np.ndarray) -> np.ndarray:
+    def _bonus(self, next_use: np.ndarray) -> np.ndarray:
         """Belady's order inside the window: the sooner a row's next looked-ahead use, the
-        larger its bonus; a row the window does not use gets none."""
-        return np.where(upcoming, _UPCOMING * (self._entered + 1 - self.next_use[rows].astype(np.int64)), 0)
+        larger its bonus; a row the window does not use (``next_use`` 0) gets none."""
+        return np.where(next_use > 0, _UPCOMING * (self._entered + 1 - next_use.astype(np.int64)), 0)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -315,20 +317,15 @@ class SlotPlanner:
 
         # Candidates (rows not cached), best first; victims (unkept cached slots), worst first.
         candidates = np.flatnonzero(~cached)
-        score = self._score(u[candidates], freq[candidates])
+        score = freq[candidates] + self._bonus(self.next_use[u[candidates]])
         by_score = np.argsort(-score, kind="stable")
         candidates, score = candidates[by_score], score[by_score]
         room = min(self.capacity - self.num_cached, len(candidates))
         victims = priority = np.empty(0, dtype=np.int64)
         wanted = len(candidates) - room
-        if wanted > 0:
-            pool = unkept(np.flatnonzero(self.slot_cached))
-            priority = self.slot_freq[pool] + self._bonus(self.slot_row[pool], self.slot_upcoming[pool] > 0)
-            if self.admission != "all":  # only a slot below the best candidate's score can be taken
-                below = priority < score[room]
-                pool, priority = pool[below], priority[below]
-            pick = _lowest(priority, wanted)
-            victims, priority = pool[pick], priority[pick]
+        if wanted > 0:  # only a slot below the best contested candidate's score can be taken
+            victims, priority = self._victims(wanted, None if self.admission == "all" else int(score[room]),
+                                              res_slots, running)
         admit = np.zeros(len(candidates), dtype=bool)
         admit[:room] = True
         contested = min(len(candidates) - room, len(victims))
@@ -364,13 +361,48 @@ class SlotPlanner:
         self.slot_dirty[to_slots] = False
         self.slot_plan[to_slots] = pid
         self.slot_freq[to_slots] = freq[np.concatenate([incoming, staged])]
-        self.slot_upcoming[to_slots] = self.upcoming[new_rows]
+        self.slot_next_use[to_slots] = self.next_use[new_rows]
         batch_slots = self.row_slot[u]
         if train:
             self.slot_dirty[batch_slots] = True  # backward updates them
         self.counters["rows_loaded"] += len(new_rows)
+        self._last_plan = (pid, batch_slots)
         wb_slots, wb_rows = (np.concatenate(parts) for parts in zip(*write_back))
         return Plan(pid, batch_slots, wb_slots, wb_rows, to_slots, new_rows)
+
+    def _victims(self, wanted: int, limit: int | None, kept: np.ndarray, running: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The ``wanted`` cached slots of lowest priority (below ``limit`` if given), lowest
+        first (ties in slot order), and their priorities; never one of ``kept`` (this batch's
+        resident slots) or of the ``running`` plan.
+
+        Masks over the whole slot arrays (no gather of every cached slot), then ranks first
+        the slots whose row the window does not use: any of them ranks below every other."""
+        takeable = self.slot_cached.copy()
+        takeable[kept] = False
+        if running is not None:
+            last, last_slots = self._last_plan
+            if running == last:  # its slots still marked are among its batch's slots, the others this plan's
+                takeable[last_slots] = False
+            else:
+                takeable &= self.slot_plan != running
+        upcoming = self.slot_next_use > 0
+        plain = np.flatnonzero(takeable & ~upcoming)
+        priority = self.slot_freq[plain]
+        if limit is not None and limit < _UPCOMING:  # the others are all at least _UPCOMING
+            below = priority < limit
+            plain, priority = plain[below], priority[below]
+        pick = _lowest(priority, wanted)
+        victims, priority = plain[pick], priority[pick]
+        if len(victims) < wanted and (limit is None or limit > _UPCOMING):
+            later = np.flatnonzero(takeable & upcoming)
+            later_priority = self.slot_freq[later] + self._bonus(self.slot_next_use[later])
+            if limit is not None:
+                below = later_priority < limit
+                later, later_priority = later[below], later_priority[below]
+            pick = _lowest(later_priority, wanted - len(victims))
+            victims = np.concatenate([victims, later[pick]])
+            priority = np.concatenate([priority, later_priority[pick]])
+        return victims, priority
 
     def _free_slots(self, need: int, unkept) -> np.ndarray:
         """``need`` slots that are not cached and not kept, scanned for from where the last
@@ -398,7 +430,7 @@ class SlotPlanner:
         self.counters["rows_written_back"] += int(dirty.sum())
         self.slot_row[slots] = -1
         self.slot_dirty[slots] = False
-        self.slot_upcoming[slots] = 0
+        self.slot_next_use[slots] = 0
         return slots[dirty], rows[dirty]
 
     # -- reporting -----------------------------------------------------------------------------
@@ -414,5 +446,5 @@ class SlotPlanner:
     @property
     def nbytes(self) -> int:
         arrays = (self.row_slot, self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq,
-                  self.upcoming, self.slot_upcoming, self.next_use, self._latest, self._following, self._preceding)
+                  self.next_use, self.slot_next_use, self._latest, self._following, self._preceding)
         return sum(a.nbytes for a in arrays) + self.sketch.nbytes
