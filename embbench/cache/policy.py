@@ -41,13 +41,18 @@ _UPCOMING = 1 << 40
 _HISTOGRAM = 1 << 12
 
 
-def _lowest(values: np.ndarray, k: int) -> np.ndarray:
+def _lowest(values: np.ndarray, k: int, guess: int | None = None) -> np.ndarray:
     """The indices of the ``k`` lowest of ``values`` (>= 0), lowest first; ties in index order.
 
     The k-th lowest value comes from a histogram of the small values: frequency counts are
     small and mostly equal, where ``np.argpartition``'s introselect can take 50x longer.
+    A ``guess`` of it (the last plan's) is checked first: where it is right, no histogram.
     """
     if len(values) > k:
+        if guess is not None:
+            below, equal = np.flatnonzero(values < guess), np.flatnonzero(values == guess)
+            if len(below) < k <= len(below) + len(equal):
+                return _sorted(values, np.concatenate([below, equal[: k - len(below)]]))
         cumulative = np.cumsum(np.bincount(np.minimum(values, _HISTOGRAM), minlength=_HISTOGRAM + 1))
         kth = int(np.searchsorted(cumulative, k))
         if kth == _HISTOGRAM:  # beyond the histogram: the rest among the large values
@@ -58,6 +63,11 @@ def _lowest(values: np.ndarray, k: int) -> np.ndarray:
         pick = np.concatenate([below, np.flatnonzero(values == kth)[: k - len(below)]])
     else:
         pick = np.arange(len(values))
+    return _sorted(values, pick)
+
+
+def _sorted(values: np.ndarray, pick: np.ndarray) -> np.ndarray:
+    """``pick`` ordered by their values (stable)."""
     return pick[np.argsort(values[pick], kind="stable")]
 
 
@@ -156,6 +166,7 @@ class SlotPlanner:
         self._window: list[tuple[int, int, np.ndarray]] = []  # looked-ahead batches: (number, place, distinct rows)
         self._entered = 0
         self._last_plan: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))  # (id, slots) of the last plan
+        self._kth_freq: int | None = None  # the last plan's highest victim frequency (a guess of the next one's)
         # Each row's occurrences in the window, a doubly linked list in entry order: an
         # occurrence is ``place * max_ids + position`` (a window batch's place in the arrays
         # below, its row's position in it); -1 ends a list.
@@ -391,8 +402,9 @@ class SlotPlanner:
         if limit is not None and limit < _UPCOMING:  # the others are all at least _UPCOMING
             below = priority < limit
             plain, priority = plain[below], priority[below]
-        pick = _lowest(priority, wanted)
+        pick = _lowest(priority, wanted, self._kth_freq)
         victims, priority = plain[pick], priority[pick]
+        self._kth_freq = int(priority[-1]) if len(priority) else None
         if len(victims) < wanted and (limit is None or limit > _UPCOMING):
             later = np.flatnonzero(takeable & upcoming)
             later_priority = self.slot_freq[later] + self._bonus(self.slot_next_use[later])
