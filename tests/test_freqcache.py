@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from baselines.tables import WholeTables
 from embbench.cache import FreqCache, FreqCacheParams
-from embbench.cache.policy import _HISTOGRAM, FrequencySketch, SlotPlanner, _lowest
+from embbench.cache.policy import _HISTOGRAM, _UPCOMING, FrequencySketch, SlotPlanner, _lowest
 from embbench.data import SparseFeatures, TableSpec
 from embbench.metrics import belady_hit_rate, belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
@@ -274,6 +274,47 @@ def test_next_use_is_the_nearest_window_batch_whatever_order_batches_leave_in(op
             planner.expect(rows, -1)
         for row in range(12):
             assert planner.next_use[row] == min((n for n, r in window if row in r), default=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 29), min_size=1, max_size=6), min_size=2, max_size=10),
+       ahead=st.integers(0, 3), data=st.data())
+def test_victims_are_the_lowest_priority_cached_slots_not_kept(steps, ahead, data):
+    """The planner's victim search (masks over whole slot arrays, rows the window does not
+    use first, the last plan's slots remembered) against the definition: the cached slots
+    neither kept nor of the running plan, by (frequency + look-ahead bonus, slot), below the limit."""
+    planner = SlotPlanner(num_rows=30, capacity=8, max_ids=6, decay_every=3)
+    planner.preload(np.arange(8))
+    batches = [np.unique(s) for s in steps]
+    for b in batches[1 : 1 + ahead]:
+        planner.expect(b, +1)
+    for i, rows in enumerate(batches):
+        if 1 + i + ahead < len(batches):
+            planner.expect(batches[1 + i + ahead], +1)
+        if i and ahead:
+            planner.expect(rows, -1)
+        running = data.draw(st.sampled_from([None, *range(planner.plans)]))
+        kept = data.draw(st.lists(st.integers(0, planner.num_slots - 1), unique=True, max_size=4))
+        kept = np.array(kept, dtype=np.int64)
+        wanted = data.draw(st.integers(1, 10))
+        limit = data.draw(st.sampled_from([None, 1, 3, _UPCOMING, 3 * _UPCOMING]))
+        pool = np.flatnonzero(planner.slot_cached)
+        pool = pool[~np.isin(pool, kept) & (planner.slot_plan[pool] != (-2 if running is None else running))]
+        next_use = planner.next_use[planner.slot_row[pool]].astype(np.int64)
+        priority = planner.slot_freq[pool] + np.where(next_use > 0, _UPCOMING * (planner._entered + 1 - next_use), 0)
+        if limit is not None:
+            pool, priority = pool[priority < limit], priority[priority < limit]
+        order = np.lexsort((pool, priority))[:wanted]
+        victims, victim_priority = planner._victims(wanted, limit, kept, running)
+        assert np.array_equal(victims, pool[order]) and np.array_equal(victim_priority, priority[order])
+        planner.plan(rows, train=True, running=planner.plans - 1 if planner.plans else None)
+
+
+def test_a_batch_that_never_entered_the_window_cannot_leave_it():
+    planner = SlotPlanner(num_rows=10, capacity=2, max_ids=2)
+    planner.expect(np.array([1, 2]), +1)
+    with pytest.raises(ValueError, match="never entered"):
+        planner.expect(np.array([1, 3]), -1)
 
 
 def test_of_rows_the_window_uses_the_one_needed_last_is_evicted_first():

@@ -209,18 +209,18 @@ class SlotPlanner:
     def expect(self, unique_rows: np.ndarray, sign: int) -> None:
         """A looked-ahead batch's distinct rows (sorted) enter (+1) or leave (-1) the window.
 
-        Batches enter in the order they will be planned; each row keeps the number of the
-        nearest window batch that uses it (``next_use``). Batches may leave in any order: the
-        one that entered as this array leaves (else the oldest with these rows); the work is
-        linear in the batch's rows, whatever the window's length."""
+        Each row keeps the number of the first entered window batch that uses it
+        (``next_use``): the nearest one where batches enter in the order they are planned.
+        Batches may leave in any order: the one that entered as this array leaves (else the
+        oldest with these rows). The work is linear in the batch's rows, whatever the
+        window's length."""
         if len(unique_rows) > self.max_ids:
             raise ValueError(f"a batch has {len(unique_rows)} distinct rows, more than the {self.max_ids} ids the cache was sized for")
-        positions = np.arange(len(unique_rows), dtype=np.int32)
         if sign > 0:
             self._entered += 1
             place = self._free_place()
             self._place_number[place] = self._entered
-            occurrence = place * self.max_ids + positions
+            occurrence = place * self.max_ids + np.arange(len(unique_rows), dtype=np.int32)
             latest = self._latest[unique_rows]
             again = latest >= 0
             self._preceding[place, : len(unique_rows)] = latest
@@ -232,8 +232,10 @@ class SlotPlanner:
         else:
             at = next((i for i, (_, _, r) in enumerate(self._window) if r is unique_rows), None)
             if at is None:  # not the array that entered: the oldest with the same rows
-                at = next(i for i, (_, _, r) in enumerate(self._window)
-                          if len(r) == len(unique_rows) and np.array_equal(r, unique_rows))
+                at = next((i for i, (_, _, r) in enumerate(self._window)
+                           if len(r) == len(unique_rows) and np.array_equal(r, unique_rows)), None)
+            if at is None:
+                raise ValueError("freqcache: a batch leaves the look-ahead window that never entered it")
             _, place, _ = self._window.pop(at)
             self._place_number[place] = 0
             preceding = self._preceding[place, : len(unique_rows)]
@@ -247,7 +249,8 @@ class SlotPlanner:
             first = ~before
             self._set_next_use(unique_rows[first], np.where(after[first], self._place_number[following[first] // self.max_ids], 0))
 
-    def _set_next_use(self, rows: np.ndarray, number) -> None:
+    def _set_next_use(self, rows: np.ndarray, number: int | np.ndarray) -> None:
+        """Set ``next_use`` of ``rows``, and of their slots where they have one."""
         self.next_use[rows] = number
         slots = self.row_slot[rows]
         held = slots >= 0
