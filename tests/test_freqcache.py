@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from baselines.tables import WholeTables
 from embbench.cache import FreqCache, FreqCacheParams
-from embbench.cache.policy import _HISTOGRAM, _UPCOMING, FrequencySketch, SlotPlanner, _lowest
+from embbench.cache.policy import _HISTOGRAM, _UPCOMING, FrequencySketch, SlotPlanner, _kth_lowest, _lowest
 from embbench.data import SparseFeatures, TableSpec
 from embbench.metrics import belady_hit_rate, belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
@@ -345,7 +345,8 @@ def test_tinylfu_keeps_a_hot_row_that_admit_all_would_evict():
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.sampled_from([0, 1, 2, 7, _HISTOGRAM - 1, _HISTOGRAM, _HISTOGRAM + 3, 1 << 40, (1 << 40) + 1]),
+@given(values=st.lists(st.sampled_from([0, 1, 2, 7, _HISTOGRAM - 1, _HISTOGRAM, _HISTOGRAM + 3, 1 << 40, (1 << 40) + 1,
+                                        3 << 40, (3 << 40) + 2, (5 << 40) + _HISTOGRAM + 1, (1 << 62) + 5]),
                        min_size=1, max_size=60),
        data=st.data())
 def test_the_lowest_priorities_are_found_with_ties_in_slot_order(values, data):
@@ -356,6 +357,13 @@ def test_the_lowest_priorities_are_found_with_ties_in_slot_order(values, data):
     guess = data.draw(st.one_of(st.none(), st.sampled_from(values.tolist() + [3, 1 << 41])))
     expected = np.lexsort((np.arange(len(values)), values))[:k]
     assert np.array_equal(_lowest(values, k, guess), expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.one_of(st.integers(0, 9), st.integers(0, 1 << 62)), min_size=1, max_size=40), data=st.data())
+def test_the_radix_select_finds_the_kth_lowest(values, data):
+    k = data.draw(st.integers(1, len(values)))
+    assert _kth_lowest(np.array(values, dtype=np.int64), k) == sorted(values)[k - 1]
 
 
 def test_the_sketch_counts_never_undercount_and_decay_halves_them():

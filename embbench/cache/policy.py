@@ -57,13 +57,25 @@ def _lowest(values: np.ndarray, k: int, guess: int | None = None) -> np.ndarray:
         kth = int(np.searchsorted(cumulative, k))
         if kth == _HISTOGRAM:  # beyond the histogram: the rest among the large values
             large = values[values >= _HISTOGRAM]
-            rest = k - (len(values) - len(large))
-            kth = np.partition(large, rest - 1)[rest - 1]
+            kth = _kth_lowest(large, k - (len(values) - len(large)))
         below = np.flatnonzero(values < kth)
         pick = np.concatenate([below, np.flatnonzero(values == kth)[: k - len(below)]])
     else:
         pick = np.arange(len(values))
     return _sorted(values, pick)
+
+
+def _kth_lowest(values: np.ndarray, k: int) -> int:
+    """The ``k``-th lowest (from 1) of ``values`` (>= 0): a radix select, a histogram of the
+    highest bits at a time (priorities such as ``level * _UPCOMING + frequency`` are few
+    distinct values, where ``np.partition``'s introselect is slow)."""
+    shift = max(0, int(values.max()).bit_length() - (_HISTOGRAM.bit_length() - 1))
+    cumulative = np.cumsum(np.bincount(values >> shift))
+    bucket = int(np.searchsorted(cumulative, k))
+    if shift == 0:
+        return bucket
+    inside = values[(values >> shift) == bucket] - (bucket << shift)
+    return (bucket << shift) + _kth_lowest(inside, k - (int(cumulative[bucket - 1]) if bucket else 0))
 
 
 def _sorted(values: np.ndarray, pick: np.ndarray) -> np.ndarray:
