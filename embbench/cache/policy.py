@@ -274,7 +274,7 @@ class SlotPlanner:
         if len(free):
             return int(free[0])
         place = len(self._place_number)
-        grown = max(4, 2 * place)
+        grown = max(place + 1, place * 5 // 4)  # by a quarter: close to the window, in few steps
         if grown * self.max_ids > np.iinfo(np.int32).max:
             raise ValueError(f"freqcache: a look-ahead window of {grown} batches of {self.max_ids} ids is too large")
         self._place_number = np.concatenate([self._place_number, np.zeros(grown - place, dtype=np.int32)])
