@@ -5,7 +5,8 @@
 One round is the host's bookkeeping of one step, as freqcache does it: a batch enters the
 look-ahead window, the next one leaves it and is planned with the running one kept
 (:class:`~embbench.cache.policy.SlotPlanner`'s ``expect`` and ``plan``). The batches' ids are
-made and reduced to distinct rows before (on a GPU that is device work). At scale 1.0 the
+made and reduced to distinct rows before (on a GPU that is device work). The window holds 8
+batches (freqcache's default ``lookahead``) or 32. At scale 1.0 the
 planner holds the full 33.8M-row maps (about 0.5 GB), not the tables. Not part of the test
 suite: speed is measured here, never asserted.
 """

@@ -407,7 +407,7 @@ class SlotPlanner:
         takeable[kept] = False
         if running is not None:
             last, last_slots = self._last_plan
-            if running == last:  # its slots still marked are among its batch's slots, the others this plan's
+            if running == last:  # the slots marked with its id are among these; the others marked since are kept
                 takeable[last_slots] = False
             else:
                 takeable &= self.slot_plan != running
