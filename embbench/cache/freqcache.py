@@ -171,10 +171,13 @@ class FreqCache(SparseModule):
             entry = self._upcoming.get(id(features.values))
             if entry is None or entry.values is not features.values:
                 self._upcoming[id(features.values)] = self._copy_rows(features)
-        for entry in self._upcoming.values():
-            if not entry.expected and (entry.copied is None or entry.copied.query()):
-                self.planner.expect(entry.distinct()[0], +1)
-                entry.expected = True
+        for entry in self._upcoming.values():  # in look-ahead order: the planner ranks by entry order
+            if entry.expected:
+                continue
+            if entry.copied is not None and not entry.copied.query():
+                break  # a later batch enters only after this one
+            self.planner.expect(entry.distinct()[0], +1)
+            entry.expected = True
 
     def _copy_rows(self, features: SparseFeatures) -> _Upcoming:
         rows = self.space.global_rows(features.to(self.device))
