@@ -43,11 +43,6 @@ class BackgroundWorker:
         self._pending.append(future)
         return future
 
-    @property
-    def busy(self) -> bool:
-        """Whether a submitted task has not finished yet."""
-        return any(not f.done() for f in self._pending)
-
     def wait(self, until: Future | None = None) -> None:
         """Wait until every submitted task is done, or only those up to ``until`` (a future
         :meth:`submit` returned; the later ones go on). A task's exception is raised here (the

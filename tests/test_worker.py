@@ -29,11 +29,11 @@ def test_tasks_run_in_order_on_one_thread_other_than_the_callers():
 def test_a_tasks_error_is_raised_by_wait_and_then_forgotten():
     worker = BackgroundWorker(torch.device("cpu"), "test")
     worker.submit(lambda: 1 / 0)
-    worker.submit(_ops, 1)
+    after = worker.submit(_ops, 1)
     with pytest.raises(ZeroDivisionError):
         worker.wait()
     worker.wait()  # nothing pending any more
-    assert not worker.busy
+    assert after.done() and after.exception() is None
 
 
 def test_waiting_up_to_a_task_leaves_the_later_ones_running_and_counts_the_block(monkeypatch):
@@ -42,7 +42,7 @@ def test_waiting_up_to_a_task_leaves_the_later_ones_running_and_counts_the_block
     worker = BackgroundWorker(torch.device("cpu"), "test")
     first_may_end, second_may_end = threading.Event(), threading.Event()
     first = worker.submit(first_may_end.wait)
-    worker.submit(second_may_end.wait)
+    second = worker.submit(second_may_end.wait)
     real_wait = module.futures.wait
 
     def wait_and_release(fs):  # the first task can only end once wait() blocks for it
@@ -51,13 +51,13 @@ def test_waiting_up_to_a_task_leaves_the_later_ones_running_and_counts_the_block
 
     monkeypatch.setattr(module.futures, "wait", wait_and_release)
     worker.wait(until=first)
-    assert first.done() and worker.busy  # the second still waits for its event
-    assert worker.counters()["pipeline_stalls"] == 1 and worker.wait_seconds >= 0
+    assert first.done() and not second.done()  # the second still waits for its event
+    assert worker.counters()["pipeline_stalls"] == 1 and worker.wait_seconds > 0
     worker.wait(until=first)  # already waited for: returns at once
     assert worker.counters()["pipeline_stalls"] == 1
     second_may_end.set()
     worker.wait()
-    assert not worker.busy
+    assert second.done()
 
 
 def test_ops_of_a_task_handed_over_while_counting_are_counted():
