@@ -42,6 +42,7 @@ COUNTERS = {
     "rows_admitted": "rows copied into the cache",
     "rows_evicted": "rows removed from the cache",
     "rows_written_back": "evicted or flushed rows that were updated, copied back to the host",
+    "rows_moved_late": "cached rows evicted from a slot the running step still used: moved once it had ended",
     "bytes_h2d": "bytes moved host -> device (rows, state, pooled embeddings)",
     "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
     "bytes_comm": "bytes this rank sent to other ranks (ids, pooled rows, their gradients)",

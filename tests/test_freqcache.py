@@ -117,6 +117,31 @@ def test_a_batch_larger_than_the_cache_trains_through_the_bypass():
     assert cache.counters()["accesses"] == 120 and cache.counters()["rows_admitted"] == 0
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_rows_evicted_from_the_running_step_move_after_it_even_at_the_end(thread):
+    """The next batch's plan evicts the running batch's rows (their slots are wanted for rows
+    the look-ahead needs sooner): the write-back and the load wait until that step has
+    ended, also when training ends with that batch only prefetched (flush applies them)."""
+    tables = [TableSpec("t0", 10, 4, 1, 1.0)]
+    a, b, c = (SparseFeatures(torch.tensor(ids), torch.ones(2, dtype=torch.long), 1) for ids in ([0, 1], [2, 3], [2, 3]))
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.5)
+    params = FreqCacheParams(cache_ratio=0.2, profile_batches=0, lookahead=2, plan_thread=thread)
+    cache = FreqCache(_context(tables, opt, [a, b]), params)
+    reference = WholeTables(_context(tables, opt, [a, b]))
+    cache.look_ahead([b, c])  # rows 2 and 3 come again after b: they outrank rows 0 and 1 (preloaded)
+    out = cache(a)
+    cache.prefetch(b)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * grad).sum().backward()
+    (reference(a) * grad).sum().backward()
+    cache.end_step()
+    assert cache.counters()["rows_moved_late"] == 2
+    for got, expected in zip(cache.flush(), reference.flush()):
+        torch.testing.assert_close(got, expected)
+    with torch.no_grad():  # and the loaded rows are in their slots
+        torch.testing.assert_close(cache(b), reference(b))
+
+
 def test_optimizer_state_travels_with_evicted_rows():
     """Rows evicted and re-admitted keep their Adagrad accumulators (the published cache loses them)."""
     tables = [TableSpec("t0", 8, 4, 1, 1.0)]
@@ -225,9 +250,11 @@ def test_a_prefetched_batch_that_is_never_used_does_not_stand_in_for_another():
 @settings(max_examples=100, deadline=None)
 @given(steps=st.lists(st.lists(st.integers(0, 19), min_size=1, max_size=6), min_size=2, max_size=10),
        capacity=st.integers(1, 8), admission=st.sampled_from(["all", "tinylfu"]), ahead=st.integers(0, 3))
-def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(steps, capacity, admission, ahead):
-    """Plan each batch while the previous one runs (as prefetch does): the running batch's
-    slots still hold its rows, every row gets a slot that holds it, and the maps stay inverse."""
+def test_the_planner_moves_a_running_batch_s_slots_only_after_it_ends(steps, capacity, admission, ahead):
+    """Plan each batch while the previous one runs (as prefetch does): a copy out of or into
+    a slot of the running batch is in the plan's late part (done once that step has ended),
+    and only such a slot of it changes its row; every row gets a slot that holds it, and the
+    maps stay inverse."""
     planner = SlotPlanner(num_rows=20, capacity=capacity, max_ids=6, admission=admission, decay_every=2)
     planner.preload(np.arange(capacity))
     batches = [np.array(s, dtype=np.int64) for s in steps]
@@ -241,8 +268,19 @@ def test_the_planner_never_moves_a_row_that_a_running_or_planned_batch_uses(step
             planner.expect(np.unique(rows), -1)
         plan = planner.plan(rows, train=True, running=None if running is None else running.id)
         assert np.array_equal(planner.slot_row[plan.slots], np.unique(rows)), "a row's slot does not hold it"
-        if running is not None:
-            assert np.array_equal(planner.slot_row[running.slots], np.unique(batches[i - 1])), "a running batch's row moved"
+        late_out = plan.write_back_slots[len(plan.write_back_slots) - plan.late_write_backs :]
+        late_in = plan.load_slots[len(plan.load_slots) - plan.late_loads :]
+        early = np.concatenate([plan.write_back_slots[: len(plan.write_back_slots) - plan.late_write_backs],
+                                plan.load_slots[: len(plan.load_slots) - plan.late_loads]])
+        if running is None:
+            assert plan.late_write_backs == plan.late_loads == 0
+        else:
+            assert not np.isin(early, running.slots).any(), "a running batch's slot is moved before it ends"
+            assert np.isin(np.concatenate([late_out, late_in]), running.slots).all(), "a late move of another slot"
+            moved = np.isin(running.slots, np.concatenate([late_out, late_in]))
+            stays = planner.slot_row[running.slots[~moved]]
+            assert np.array_equal(stays, np.unique(batches[i - 1])[~moved]), "a running batch's row moved"
+            assert not np.isin(planner.slot_row[running.slots[moved]], np.unique(batches[i - 1])).any()
         kept = plan.slots[np.isin(np.unique(rows), plan.load_rows, invert=True)]
         assert not np.isin(plan.write_back_slots, kept).any(), "a slot the batch reads was written back"
         assert planner.slot_dirty[plan.slots].all() and len(plan.load_slots) == len(plan.load_rows)
@@ -281,8 +319,8 @@ def test_next_use_is_the_nearest_window_batch_whatever_order_batches_leave_in(op
        ahead=st.integers(0, 3), data=st.data())
 def test_victims_are_the_lowest_priority_cached_slots_not_kept(steps, ahead, data):
     """The planner's victim search (masks over whole slot arrays, rows the window does not
-    use first, the last plan's slots remembered) against the definition: the cached slots
-    neither kept nor of the running plan, by (frequency + look-ahead bonus, slot), below the limit."""
+    use first) against the definition: the cached slots not kept, by (frequency + look-ahead
+    bonus, slot), below the limit."""
     planner = SlotPlanner(num_rows=30, capacity=8, max_ids=6, decay_every=3)
     planner.preload(np.arange(8))
     batches = [np.unique(s) for s in steps]
@@ -293,19 +331,18 @@ def test_victims_are_the_lowest_priority_cached_slots_not_kept(steps, ahead, dat
             planner.expect(batches[1 + i + ahead], +1)
         if i and ahead:
             planner.expect(rows, -1)
-        running = data.draw(st.sampled_from([None, *range(planner.plans)]))
         kept = data.draw(st.lists(st.integers(0, planner.num_slots - 1), unique=True, max_size=4))
         kept = np.array(kept, dtype=np.int64)
         wanted = data.draw(st.integers(1, 10))
         limit = data.draw(st.sampled_from([None, 1, 3, _UPCOMING, 3 * _UPCOMING]))
         pool = np.flatnonzero(planner.slot_cached)
-        pool = pool[~np.isin(pool, kept) & (planner.slot_plan[pool] != (-2 if running is None else running))]
+        pool = pool[~np.isin(pool, kept)]
         next_use = planner.next_use[planner.slot_row[pool]].astype(np.int64)
         priority = planner.slot_freq[pool] + np.where(next_use > 0, _UPCOMING * (planner._entered + 1 - next_use), 0)
         if limit is not None:
             pool, priority = pool[priority < limit], priority[priority < limit]
         order = np.lexsort((pool, priority))[:wanted]
-        victims, victim_priority = planner._victims(wanted, limit, kept, running)
+        victims, victim_priority = planner._victims(wanted, limit, kept)
         assert np.array_equal(victims, pool[order]) and np.array_equal(victim_priority, priority[order])
         planner.plan(rows, train=True, running=planner.plans - 1 if planner.plans else None)
 

@@ -15,8 +15,11 @@ host table before the next gather), missing rows are gathered on the host into a
 buffer and copied in, all on a side stream on CUDA. The CPU runs the same code, with plain
 buffers and synchronous copies.
 
-The next batch is planned and moved while the current one computes (``prefetch``); the
-current batch's slots are kept, so nothing a running step uses is evicted or overwritten.
+The next batch is planned and moved while the current one computes (``prefetch``). Its
+plan may evict rows of the running step (as Belady would); the copies out of and into those
+slots (the plan's late part, a gather and a scatter on the device, the host copies already
+staged) wait for the next forward, when that step has ended, so nothing a running step uses
+is overwritten.
 With ``plan_thread`` that work (and the look-ahead bookkeeping) runs on a background thread,
 beside the step's forward and backward, instead of between them; the step ends when it is
 done (``end_step``), so its time stays in the step's.
@@ -87,6 +90,18 @@ class _Upcoming:
 
 
 @dataclass
+class _Late:
+    """A plan's copies out of and into slots the running step still used (done at the next
+    forward): dirty rows to write back, and rows already copied to the device, to scatter."""
+
+    out_slots: Tensor
+    out_rows: np.ndarray
+    out_at: int  # where in the pinned write-back buffer they go (after the plan's other write-backs)
+    in_slots: Tensor
+    rows: Tensor
+
+
+@dataclass
 class _Buffers:
     """Pinned host buffers, two of each used in turn, with the event of the copy that last
     read or wrote each (none on the CPU)."""
@@ -142,7 +157,10 @@ class FreqCache(SparseModule):
         )
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._id_copies = torch.cuda.Stream(self.device) if self.cuda else None
-        self._pending_write_back: tuple[torch.cuda.Event | None, Tensor, int] | None = None
+        # Write-backs copied out to the pinned buffer, not yet applied to the host table:
+        # (the copy's event, host rows, offset in the buffer).
+        self._pending_write_back: list[tuple[torch.cuda.Event | None, Tensor, int]] = []
+        self._late: _Late | None = None
         self._upcoming: dict[int, _Upcoming] = {}
         self._prefetched: tuple[Tensor, Tensor, int] | None = None  # (the batch's ids, their slots, plan)
         self._prefetch_task: Future | None = None  # the worker's task that sets _prefetched
@@ -237,26 +255,45 @@ class FreqCache(SparseModule):
             self._pinned.events[key] = event
 
     def _finish_write_back(self) -> None:
-        """Apply the last plan's write-back (copied out to a pinned buffer) to the host table."""
-        if self._pending_write_back is None:
-            return
-        event, rows, count = self._pending_write_back
-        self._pending_write_back = None
-        if event is not None and not event.query():
-            self._own["pipeline_stalls"] += 1
-            event.synchronize()
-        self.host.index_copy_(0, rows, self._pinned.rows_out[:count])
+        """Apply the write-backs copied out to the pinned buffer to the host table."""
+        for event, rows, at in self._pending_write_back:
+            if event is not None and not event.query():
+                self._own["pipeline_stalls"] += 1
+                event.synchronize()
+            self.host.index_copy_(0, rows, self._pinned.rows_out[at : at + len(rows)])
+        self._pending_write_back = []
+
+    def _copy_out(self, slots: Tensor, rows: np.ndarray, at: int) -> None:
+        """Dirty slots: one gather on the device, one copy into the pinned buffer at ``at``."""
+        out = torch.cat([self.cache_weights.index_select(0, slots), self.cache_state.index_select(0, slots)], 1)
+        self._pinned.rows_out[at : at + len(rows)].copy_(out, non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._pending_write_back.append((event, torch.from_numpy(rows), at))
+        if not self.cuda:
+            self._finish_write_back()
+
+    def _scatter(self, slots: Tensor, rows: Tensor) -> None:
+        self.cache_weights.index_copy_(0, slots, rows[:, : self.dim])
+        self.cache_state.index_copy_(0, slots, rows[:, self.dim :])
+
+    def _on_side(self):
+        """The side stream on CUDA, after the work queued so far on the training stream."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._side)
 
     def _move(self, plan: Plan, entry: _Upcoming) -> Tensor:
-        """Do a plan's copies (on the side stream on CUDA); returns the slot of each id of the
-        batch, on the device."""
-        b, dim, turn = self._pinned, self.dim, plan.id % 2
-        stream = torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext()
-        if self.cuda:
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with stream:
+        """Do a plan's copies (on the side stream on CUDA) but its late part (kept for
+        :meth:`_apply_late`); returns the slot of each id of the batch, on the device."""
+        b, turn = self._pinned, plan.id % 2
+        with self._on_side():
             self._finish_write_back()  # a row copied out by the last plan may be loaded now
             n_out, n_in = len(plan.write_back_slots), len(plan.load_slots)
+            early_out, early_in = n_out - plan.late_write_backs, n_in - plan.late_loads
             packed = np.concatenate([plan.write_back_slots, plan.load_slots, plan.slots])
             if self.cuda:  # all of a plan's indices in one copy
                 self._wait(("index", turn))
@@ -265,27 +302,20 @@ class FreqCache(SparseModule):
                 self._mark(("index", turn))
             else:
                 index = torch.from_numpy(packed)
-            if n_out:  # dirty victims: one gather, one copy out
-                out_slots = index[:n_out]
-                out = torch.cat([self.cache_weights.index_select(0, out_slots),
-                                 self.cache_state.index_select(0, out_slots)], 1)
-                b.rows_out[:n_out].copy_(out, non_blocking=True)
-                event = None
-                if self.cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-                self._pending_write_back = (event, torch.from_numpy(plan.write_back_rows), n_out)
-                if not self.cuda:
-                    self._finish_write_back()
+            out_slots, in_slots = index[:n_out], index[n_out : n_out + n_in]
+            if early_out:  # dirty victims: one gather, one copy out
+                self._copy_out(out_slots[:early_out], plan.write_back_rows[:early_out], at=0)
+            rows = index.new_empty(0)
             if n_in:  # missing rows: one host gather into pinned memory, one copy in
                 self._wait(("rows", turn))
                 staged = b.rows_in[turn][:n_in]
                 torch.index_select(self.host, 0, torch.from_numpy(plan.load_rows), out=staged)
                 rows = staged.to(self.device, non_blocking=True)
                 self._mark(("rows", turn))
-                in_slots = index[n_out : n_out + n_in]
-                self.cache_weights.index_copy_(0, in_slots, rows[:, :dim])
-                self.cache_state.index_copy_(0, in_slots, rows[:, dim:])
+                self._scatter(in_slots[:early_in], rows[:early_in])
+            if plan.late_write_backs or plan.late_loads:
+                self._late = _Late(out_slots[early_out:], plan.write_back_rows[early_out:], early_out,
+                                   in_slots[early_in:], rows[early_in:])
             # The slot of each distinct row, spread to the ids that use it.
             slots = torch.empty_like(entry.order).index_copy_(0, entry.order, index[n_out + n_in :][entry.group])
         if self.cuda:
@@ -293,6 +323,18 @@ class FreqCache(SparseModule):
             entry.order.record_stream(self._side)
             entry.group.record_stream(self._side)
         return slots
+
+    def _apply_late(self) -> None:
+        """The last plan's late part, now that the step that used those slots has ended:
+        write back its dirty rows first, then scatter the rows loaded into those slots."""
+        late, self._late = self._late, None
+        if late is None:
+            return
+        with self._on_side():
+            if len(late.out_rows):
+                self._copy_out(late.out_slots, late.out_rows, at=late.out_at)
+            if len(late.in_slots):
+                self._scatter(late.in_slots, late.rows)
 
     # -- the SparseModule interface ------------------------------------------------------------
 
@@ -315,6 +357,7 @@ class FreqCache(SparseModule):
         prefetch, self._prefetch_task = self._prefetch_task, None
         if prefetch is not None:
             self._join(until=prefetch)
+        self._apply_late()  # the step that used those slots has ended (its work is queued before this)
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] is features.values:
             slots, self._running = prefetched[1], prefetched[2]
@@ -383,6 +426,7 @@ class FreqCache(SparseModule):
     def flush(self) -> list[Tensor]:
         """Write every dirty slot back, then return the tables."""
         self._join()
+        self._apply_late()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         self._finish_write_back()

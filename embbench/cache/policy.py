@@ -10,9 +10,14 @@ Slots ``[0, P)`` are of two classes. *Cached* slots hold at most ``capacity`` ro
 by the policy. *Staged* slots hold the rows a batch needs that the policy did not admit
 (or that exceed the capacity): they are filled for that step and are the first to be
 reused; the ``2 * max_ids`` of them that a step and its prefetched successor can need are
-reserved, so a cache smaller than one batch works. A row stays in its slot while a step
-that uses it may still run, and a staged row that the next batch needs is used where it is
-(so no step ever reads a copy older than the previous step's update).
+reserved, so a cache smaller than one batch works. A staged row that the next batch needs
+is used where it is (so no step ever reads a copy older than the previous step's update).
+
+A batch is planned while the previous one (the *running* step) may still compute. Its
+cached rows may still be evicted, as Belady would: the moves into and out of those slots
+are the plan's *late* part, which waits until the running step has ended (then the
+write-back copies the step's update). Staged slots of the running step are never reused
+for the next batch (the reserved ones suffice).
 
 Policy: a cached row counts its uses in its slot; every other row's frequency is
 estimated by a count-min sketch (TinyLFU), so a step touches the sketch only for the rows
@@ -137,6 +142,8 @@ class Plan:
         write_back_slots / write_back_rows: dirty rows to copy out, slot -> host row, before
             any load (a load may reuse the slot).
         load_slots / load_rows: rows to copy in, host row -> slot.
+        late_write_backs / late_loads: the last this many of each go out of / into slots the
+            running step still uses: they wait until that step has ended.
     """
 
     id: int
@@ -145,6 +152,8 @@ class Plan:
     write_back_rows: np.ndarray
     load_slots: np.ndarray
     load_rows: np.ndarray
+    late_write_backs: int = 0
+    late_loads: int = 0
 
 
 class SlotPlanner:
@@ -177,7 +186,6 @@ class SlotPlanner:
         self.slot_next_use = np.zeros(self.num_slots, dtype=np.int32)
         self._window: list[tuple[int, int, np.ndarray]] = []  # looked-ahead batches: (number, place, distinct rows)
         self._entered = 0
-        self._last_plan: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))  # (id, slots) of the last plan
         self._kth_freq: int | None = None  # the last plan's highest victim frequency (a guess of the next one's)
         # Each row's occurrences in the window, a doubly linked list in entry order: an
         # occurrence is ``place * max_ids + position`` (a window batch's place in the arrays
@@ -191,7 +199,8 @@ class SlotPlanner:
         self.plans = 0
         self.trained = 0
         self.counters = dict.fromkeys(("accesses", "unique_accesses", "hits", "misses", "unique_misses",
-                                       "rows_admitted", "rows_evicted", "rows_written_back", "rows_loaded"), 0)
+                                       "rows_admitted", "rows_evicted", "rows_written_back", "rows_loaded",
+                                       "rows_moved_late"), 0)
 
     # -- set-up and look-ahead ---------------------------------------------------------------
 
@@ -298,7 +307,7 @@ class SlotPlanner:
             batch: the batch's global rows, one per id; or already as ``(distinct rows,
                 how many ids each has)``.
             train: a training batch (counted, and its slots become dirty); else evaluation.
-            running: the plan of a step that may still be running (its slots are kept).
+            running: the plan of a step that may still be running (moves of its slots are late).
         """
         pid = self.plans
         self.plans += 1
@@ -350,8 +359,7 @@ class SlotPlanner:
         victims = priority = np.empty(0, dtype=np.int64)
         wanted = len(candidates) - room
         if wanted > 0:  # only a slot below the best contested candidate's score can be taken
-            victims, priority = self._victims(wanted, None if self.admission == "all" else int(score[room]),
-                                              res_slots, running)
+            victims, priority = self._victims(wanted, None if self.admission == "all" else int(score[room]), res_slots)
         admit = np.zeros(len(candidates), dtype=bool)
         admit[:room] = True
         contested = min(len(candidates) - room, len(victims))
@@ -360,6 +368,7 @@ class SlotPlanner:
         else:  # scores fall and victim priorities rise: the admitted ones are a prefix
             admit[room : room + contested] = score[room : room + contested] > priority[:contested]
         victims = victims[: int(admit[room:].sum())]
+        late = victims[self.slot_plan[victims] == running] if running is not None else victims[:0]
         admitted = candidates[admit]
 
         write_back = [self._evict(victims)]
@@ -392,25 +401,24 @@ class SlotPlanner:
         if train:
             self.slot_dirty[batch_slots] = True  # backward updates them
         self.counters["rows_loaded"] += len(new_rows)
-        self._last_plan = (pid, batch_slots)
         wb_slots, wb_rows = (np.concatenate(parts) for parts in zip(*write_back))
-        return Plan(pid, batch_slots, wb_slots, wb_rows, to_slots, new_rows)
+        if not len(late):
+            return Plan(pid, batch_slots, wb_slots, wb_rows, to_slots, new_rows)
+        self.counters["rows_moved_late"] += len(late)
+        late_out, late_in = np.isin(wb_slots, late), np.isin(to_slots, late)
+        out, into = np.argsort(late_out, kind="stable"), np.argsort(late_in, kind="stable")  # the late ones last
+        return Plan(pid, batch_slots, wb_slots[out], wb_rows[out], to_slots[into], new_rows[into],
+                    late_write_backs=int(late_out.sum()), late_loads=int(late_in.sum()))
 
-    def _victims(self, wanted: int, limit: int | None, kept: np.ndarray, running: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _victims(self, wanted: int, limit: int | None, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ``wanted`` cached slots of lowest priority (below ``limit`` if given), lowest
         first (ties in slot order), and their priorities; never one of ``kept`` (this batch's
-        resident slots) or of the ``running`` plan.
+        resident slots).
 
         Masks over the whole slot arrays (no gather of every cached slot), then ranks first
         the slots whose row the window does not use: any of them ranks below every other."""
         takeable = self.slot_cached.copy()
         takeable[kept] = False
-        if running is not None:
-            last, last_slots = self._last_plan
-            if running == last:  # the slots marked with its id are among these; the others marked since are kept
-                takeable[last_slots] = False
-            else:
-                takeable &= self.slot_plan != running
         upcoming = self.slot_next_use > 0
         plain = np.flatnonzero(takeable & ~upcoming)
         priority = self.slot_freq[plain]
