@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest benchmarks/test_planner.py --benchmark-columns=median,iqr,max
 
 One round is the host's bookkeeping of one step, as freqcache does it: a batch enters the
-look-ahead window, the next one leaves it and is planned with the running one kept
+look-ahead window, the next one leaves it and is planned while the running one may still compute
 (:class:`~embbench.cache.policy.SlotPlanner`'s ``expect`` and ``plan``). The batches' ids are
 made and reduced to distinct rows before (on a GPU that is device work). The window holds 8
 batches (freqcache's default ``lookahead``) or 32. At scale 1.0 the
