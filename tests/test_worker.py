@@ -72,17 +72,3 @@ def test_ops_of_a_task_handed_over_while_counting_are_counted():
     worker.wait()
     # torch.zeros and one add per iteration
     assert counter.ops == (1 + 5) + (1 + 2)
-
-
-def test_freqcache_planning_in_the_background_issues_the_same_ops_and_trains_the_same(tmp_path):
-    """The same cell with and without the planning thread: identical weights, the same
-    operators per step (the thread's are counted), and the thread's waits reported."""
-    raw = tiny_scenario(run={"warmup_steps": 2, "steps": 4, "repeats": 1})
-    params = {"cache_ratio": 0.05, "lookahead": 2}
-    inline, m_inline = train_and_flush(raw, "freqcache", {**params, "plan_thread": False}, tmp_path=tmp_path)
-    threaded, m_threaded = train_and_flush(raw, "freqcache", {**params, "plan_thread": True}, tmp_path=tmp_path)
-    for a, b in zip(threaded, inline):
-        assert torch.equal(a, b)
-    assert m_threaded["ops_per_step"] == m_inline["ops_per_step"]
-    assert m_inline["counters"]["total"]["host_wait_us"] == 0
-    assert "host_wait_us" in m_threaded["counters"]["total"]

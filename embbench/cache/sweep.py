@@ -28,6 +28,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from embbench.cache.device_planner import DevicePlanner
 from embbench.cache.policy import SlotPlanner
 from embbench.data import Stream, SyntheticCriteo, TableSpec
 from embbench.metrics import belady_hit_rates
@@ -48,6 +49,7 @@ class Sweep(BaseModel):
     batch_ids: list[int] = Field(min_length=1)
     admission: list[Literal["all", "tinylfu"]] = ["tinylfu"]
     lookahead: list[int] = [8]
+    planner: list[Literal["device", "host"]] = ["device"]
     decay_every: int = Field(256, ge=0)
     profile_batches: int = Field(32, ge=0)
     warmup_steps: int = Field(16, ge=0)
@@ -64,6 +66,7 @@ class Workload(BaseModel):
     batch_ids: int = Field(gt=0)
     admission: Literal["all", "tinylfu"] = "tinylfu"
     lookahead: int = Field(8, ge=0)
+    planner: Literal["device", "host"] = "device"
 
 
 def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
@@ -74,6 +77,19 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
     first, total = profile_batches, profile_batches + warmup_steps + steps
     batches = [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(total + w.lookahead)]
     capacity = max(1, min(w.rows, round(w.cache_ratio * w.rows)))
+    drive = _drive_device if w.planner == "device" else _drive_host
+    c = drive(w, batches, capacity, first, total, warmup_steps, decay_every)
+    per_access, per_distinct = belady_hit_rates([torch.from_numpy(b) for b in batches[:total]], capacity,
+                                                skip=first + warmup_steps)
+    hit, unique_hit = c["hits"] / c["accesses"], 1 - c["unique_misses"] / c["unique_accesses"]
+    return {**w.model_dump(), "capacity": capacity, "hit_rate": hit, "belady_hit_rate": per_access,
+            "unique_hit_rate": unique_hit, "belady_unique_hit_rate": per_distinct,
+            "gap": per_access - hit, "unique_gap": per_distinct - unique_hit}
+
+
+def _drive_host(w: Workload, batches: list[np.ndarray], capacity: int, first: int, total: int, warmup_steps: int,
+                decay_every: int) -> dict:
+    """The host planner's counters over the counted batches."""
     planner = SlotPlanner(w.rows, capacity, w.batch_ids, w.admission, decay_every=decay_every)
     planner.profile(batches[:first])
     unique = [np.unique(b) for b in batches]
@@ -87,18 +103,33 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
             planner.expect(unique[i], -1)
             planner.expect(unique[i + w.lookahead], +1)
         running = planner.plan(batches[i], train=True, running=running).id
-    c = {k: planner.counters[k] - start.get(k, 0) for k in planner.counters}
-    per_access, per_distinct = belady_hit_rates([torch.from_numpy(b) for b in batches[:total]], capacity,
-                                                skip=first + warmup_steps)
-    hit, unique_hit = c["hits"] / c["accesses"], 1 - c["unique_misses"] / c["unique_accesses"]
-    return {**w.model_dump(), "capacity": capacity, "hit_rate": hit, "belady_hit_rate": per_access,
-            "unique_hit_rate": unique_hit, "belady_unique_hit_rate": per_distinct,
-            "gap": per_access - hit, "unique_gap": per_distinct - unique_hit}
+    return {k: planner.counters[k] - start.get(k, 0) for k in planner.counters}
+
+
+def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, first: int, total: int, warmup_steps: int,
+                  decay_every: int) -> dict:
+    """The device planner's counters over the counted batches (on the CPU), driven as freqcache
+    drives it: the window holds the ``lookahead`` batches after the one being planned."""
+    rows = [torch.from_numpy(b) for b in batches]
+    planner = DevicePlanner(w.rows, capacity, w.batch_ids, w.lookahead, torch.device("cpu"), w.admission,
+                            decay_every=decay_every)
+    planner.profile(rows[:first])
+    numbers: dict[int, int] = {}
+    running, start = None, {}
+    for i in range(first, total):
+        if i == first + warmup_steps:
+            start = planner.counters()
+        for j in range(i + 1, i + 1 + w.lookahead):
+            if j not in numbers:
+                numbers[j] = planner.enter(rows[j])
+        running = planner.plan(rows[i], train=True, running=running, number=numbers.pop(i, None)).id
+    end = planner.counters()
+    return {k: end[k] - start.get(k, 0) for k in end}
 
 
 def run_sweep(sweep: Sweep):
     """Each workload's result, as it is computed."""
-    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead")
+    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead", "planner")
     for values in itertools.product(*(getattr(sweep, k) for k in keys)):
         w = Workload(**dict(zip(keys, values)))
         yield simulate(w, sweep.decay_every, sweep.profile_batches, sweep.warmup_steps, sweep.steps,

@@ -1,0 +1,376 @@
+"""freqcache's slot planner on the device (freqcache v3): every per-batch decision in tensor ops.
+
+The host planner (:class:`~embbench.cache.policy.SlotPlanner`, now the reference model) keeps
+the slot map in NumPy and needs each batch's ids on the host. This one keeps all of its state
+in tensors on the cache's device and decides with a fixed sequence of operations of fixed
+shapes (padded to the batch's id capacity ``max_ids``, the slot count and the window's
+capacity), whatever the data: no ``unique``/``nonzero``/boolean indexing, no value read on the
+host. The host only launches, so on CUDA a step never waits for the device, and the same code
+runs (and is tested, and counted) on CPU tensors.
+
+State (``S`` slots, of which at most ``capacity`` are *cached*; the rest hold *staged* rows
+that a batch needs but the policy did not admit; one extra *sink* slot ``S`` takes the writes
+of padded entries):
+
+- ``slot_row`` and a copy of it sorted (``map_rows``, ``map_slots``): a row's slot is one
+  ``searchsorted`` (fully associative; the map is O(slots), never O(table rows));
+- per slot: cached, dirty, the last plan that used it, its row's frequency and its row's next
+  use in the look-ahead window;
+- a count-min sketch (TinyLFU) of the frequencies of rows not cached;
+- the look-ahead window: the distinct ``(row, batch number)`` pairs of the batches looked
+  ahead to, as one sorted int64 array (``row << 24 | number``). A batch entering the window is
+  merged in (positions by ``searchsorted``, one scatter); pairs of batches already planned are
+  dropped in the same pass. A row's next use after batch ``t`` is one ``searchsorted`` for
+  ``(row, t + 1)``.
+
+Policy (as the reference's): a row's priority is its frequency, plus a bonus above any
+frequency when the window uses it, the larger the nearer its next use (Belady's order inside
+the window). The slots are ranked by priority (one sort of all slots: fully associative), the
+batch's candidates (rows not cached) by theirs; the i-th candidate beyond the free capacity
+contests the i-th weakest cached slot and, with ``tinylfu`` admission, is admitted only if its
+priority is higher; candidates not admitted are staged in free (empty or staged) slots for
+this step. Slots of this batch and of the running one (the step that may still compute) are
+never taken, so every move of a plan can be done at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DevicePlan", "DevicePlanner"]
+
+#: Bits of a window key that hold the batch number (the rest hold the row).
+_NUMBER_BITS = 24
+_NUMBER_MASK = (1 << _NUMBER_BITS) - 1
+#: Priority bonus per batch by which a row's next use is nearer than the window's end: above
+#: any frequency a counter can hold.
+_UPCOMING = 1 << 32
+#: The priority of a slot that may not be taken (used by this batch or the running one).
+_KEPT = 1 << 62
+_NO_KEY = torch.iinfo(torch.int64).max
+_MULTIPLIERS = [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93]
+
+#: The planner's counters, in the order of its counter tensor.
+COUNTERS = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted",
+            "rows_evicted", "rows_written_back", "rows_loaded")
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@dataclass
+class DevicePlan:
+    """What the rows must do before a batch's lookup: all tensors on the planner's device, of
+    fixed length ``max_ids``, padded with the sink slot and the dummy host row.
+
+    Write-backs come first (a load may reuse their slot).
+    """
+
+    id: int
+    slots: Tensor  # the slot of each id of the batch (its length: the batch's ids)
+    write_back_slots: Tensor
+    write_back_rows: Tensor
+    load_slots: Tensor
+    load_rows: Tensor
+
+
+class DevicePlanner:
+    """The slot map of one freqcache, its policy and its look-ahead window, on ``device``.
+
+    Args:
+        num_rows: rows of the global row space (``num_rows`` itself is the dummy row that
+            padded entries read and write: the host table has one row more).
+        capacity: rows the cache may hold (cached slots).
+        max_ids: the most ids one batch may have.
+        lookahead: batches the window holds beyond the one being planned.
+        admission: ``all`` or ``tinylfu``.
+        learn: count the uses of training batches (False: frequencies stay the profile's).
+        decay_every: halve the counts every this many training batches (0: never).
+    """
+
+    #: Device bytes of metadata per slot: row, sorted map (row and slot), last plan, next use
+    #: (int64 each), frequency (int32), cached and dirty flags.
+    SLOT_BYTES = 5 * 8 + 4 + 2
+
+    def __init__(self, num_rows: int, capacity: int, max_ids: int, lookahead: int, device: torch.device,
+                 admission: str = "tinylfu", learn: bool = True, decay_every: int = 0,
+                 sketch_width: int | None = None, sketch_depth: int = 4):
+        if num_rows >= 1 << (63 - _NUMBER_BITS):
+            raise ValueError(f"freqcache: {num_rows} rows do not fit the window's keys (at most 2^{63 - _NUMBER_BITS})")
+        self.num_rows, self.capacity, self.max_ids = num_rows, capacity, max_ids
+        self.lookahead, self.device = lookahead, device
+        self.admission, self.learn, self.decay_every = admission, learn, decay_every
+        self.num_slots = capacity + 2 * min(max_ids, num_rows)
+        self.pad_row, self.empty_row, self.sink = num_rows, num_rows + 1, self.num_slots
+        S, m = self.num_slots, max_ids
+
+        def full(n, value, dtype=torch.int64):
+            return torch.full((n,), value, dtype=dtype, device=device)
+
+        # Per slot, with the sink at S.
+        self.slot_row = full(S + 1, self.empty_row)
+        self.slot_cached = full(S + 1, False, torch.bool)
+        self.slot_dirty = full(S + 1, False, torch.bool)
+        self.slot_plan = full(S + 1, -1)
+        self.slot_freq = full(S + 1, 0, torch.int32)
+        self.slot_next = full(S + 1, 0)  # the window number of the row's next use (0: none known)
+        self.map_rows, self.map_slots = self.slot_row[:S].sort()
+        self.num_cached = full(1, 0)
+        self.counts = full(len(COUNTERS), 0)
+
+        width = sketch_width or min(num_rows, 2 * (capacity + max_ids))
+        self.sketch_bits = max(4, int(width - 1).bit_length())
+        self.sketch = torch.zeros(sketch_depth, 1 << self.sketch_bits, dtype=torch.int32, device=device)
+        self._multipliers = torch.tensor([_signed(v) for v in _MULTIPLIERS[:sketch_depth]], device=device)[:, None]
+        self._depth_offsets = (torch.arange(sketch_depth, device=device) << self.sketch_bits)[:, None]
+
+        self.window_capacity = (lookahead + 1) * m
+        self.window = full(self.window_capacity, _NO_KEY)
+        self.entered = 0  # batches that entered the window (numbered from 1)
+        self.current = 0  # the number of the window batch planned last (pairs up to it are stale)
+        self.plans = 0
+        self.trained = 0
+        self._positions = torch.arange(max(m, self.window_capacity) + m, device=device)
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def profile(self, batches: list[Tensor]) -> Tensor:
+        """Count profiled training batches (global rows per id) in the sketch and preload the
+        most frequent rows (the first rows if there is no profile); returns them. Set-up, not a
+        step: it may size its outputs by the data."""
+        for rows in batches:
+            self._sketch_add(rows.unique(), None)
+        if batches:
+            rows, counts = torch.cat(batches).unique(return_counts=True)
+            hot = rows[torch.argsort(-counts, stable=True)][: self.capacity]
+        else:
+            hot = torch.arange(min(self.capacity, self.num_rows), device=self.device)
+        self.preload(hot)
+        return hot
+
+    def preload(self, rows: Tensor) -> None:
+        """Cache ``rows`` (distinct, at most ``capacity``) in slots ``0..len-1``, clean."""
+        n = len(rows)
+        self.slot_row[:n] = rows
+        self.slot_cached[:n] = True
+        self.slot_freq[:n] = self._sketch_estimate(rows).to(torch.int32)
+        self.num_cached.fill_(n)
+        self._rebuild_map()
+
+    # -- pieces ------------------------------------------------------------------------------------
+
+    def _cells(self, rows: Tensor) -> Tensor:
+        """Flat sketch counter indices ``[depth, len(rows)]`` (multiply-shift hashing; int64
+        products wrap, and the masked shift keeps the product's top bits)."""
+        hashed = ((rows + 1) * self._multipliers) >> (64 - self.sketch_bits)
+        return (hashed & ((1 << self.sketch_bits) - 1)) + self._depth_offsets
+
+    def _sketch_add(self, rows: Tensor, weight: Tensor | None) -> None:
+        cells = self._cells(rows)
+        ones = torch.ones_like(cells, dtype=torch.int32) if weight is None else weight.to(torch.int32).expand_as(cells)
+        self.sketch.view(-1).index_add_(0, cells.reshape(-1), ones.reshape(-1))
+
+    def _sketch_estimate(self, rows: Tensor) -> Tensor:
+        return self.sketch.view(-1)[self._cells(rows)].amin(0)
+
+    def _lookup(self, rows: Tensor) -> Tensor:
+        """The slot of each of ``rows``, or the sink where it has none."""
+        at = torch.searchsorted(self.map_rows, rows).clamp_(max=self.num_slots - 1)
+        return torch.where(self.map_rows[at] == rows, self.map_slots[at], self.sink)
+
+    def _rebuild_map(self) -> None:
+        self.map_rows, self.map_slots = self.slot_row[: self.num_slots].sort()
+
+    def _distinct(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A batch's rows padded to ``max_ids``: its distinct rows (sorted, padded with the
+        dummy row), how many ids each has, and for every id its sorted position and the index
+        of its distinct row."""
+        m, n = self.max_ids, len(rows)
+        if n > m:
+            raise ValueError(f"freqcache: a batch has {n} ids, more than the {m} the cache was sized for")
+        if n < m:
+            rows = torch.cat([rows, rows.new_full((m - n,), self.pad_row)])
+        ordered, order = rows.sort()
+        starts = torch.ones_like(ordered, dtype=torch.bool)
+        torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
+        group = torch.cumsum(starts, 0) - 1
+        unique = ordered.new_full((m + 1,), self.pad_row).scatter_(0, torch.where(starts, group, m), ordered)[:m]
+        ids = torch.zeros(m + 1, dtype=torch.int64, device=rows.device)
+        ids.index_add_(0, group, (ordered < self.pad_row).long())
+        return unique, ids[:m], order, group
+
+    def _bonus(self, next_use: Tensor) -> Tensor:
+        """Belady's order inside the window: the nearer a row's next use, the larger its bonus;
+        none where the window does not use it."""
+        return torch.where(next_use > self.current, (self.entered + 1 - next_use) * _UPCOMING, 0)
+
+    # -- the look-ahead window -----------------------------------------------------------------
+
+    def enter(self, rows: Tensor) -> int:
+        """A looked-ahead batch (its global rows, one per id) enters the window; returns its
+        number. Pairs of batches already planned are dropped in the same pass."""
+        self.entered += 1
+        if self.entered > _NUMBER_MASK:
+            raise ValueError(f"freqcache: more than {_NUMBER_MASK} look-ahead batches in one run")
+        number = self.entered
+        unique = self._distinct(rows)[0]
+        valid = unique < self.pad_row
+        incoming = torch.where(valid, (unique << _NUMBER_BITS) | number, _NO_KEY)
+        C, m = self.window_capacity, self.max_ids
+        # Keep the pairs of batches not planned yet, in order, at the front.
+        live = (self.window != _NO_KEY) & ((self.window & _NUMBER_MASK) > self.current)
+        kept = torch.full((C + 1,), _NO_KEY, dtype=torch.int64, device=self.device)
+        kept.scatter_(0, torch.where(live, torch.cumsum(live, 0) - 1, C), self.window)
+        kept = kept[:C]
+        # Merge: the incoming pairs' places, then the kept pairs fill the others in order.
+        at_incoming = torch.searchsorted(kept, incoming) + self._positions[:m]
+        taken = torch.zeros(C + m, dtype=torch.bool, device=self.device).index_fill_(0, at_incoming, True)
+        free = ~taken
+        at_kept = torch.empty(C + m + 1, dtype=torch.int64, device=self.device)
+        at_kept.scatter_(0, torch.where(free, torch.cumsum(free, 0) - 1, C + m), self._positions[: C + m])
+        merged = torch.empty(C + m, dtype=torch.int64, device=self.device)
+        merged.scatter_(0, at_kept[:C], kept).scatter_(0, at_incoming, incoming)
+        self.window.copy_(merged[:C])  # past C: padding only (at most C pairs are live)
+        # Resident rows of the batch without a nearer next use: this batch is it.
+        slots = self._lookup(unique)  # the padding (the dummy row) is never resident
+        known = self.slot_next[slots]
+        self.slot_next.index_copy_(0, slots, torch.where(known > self.current, known, number))
+        return number
+
+    def _next_use(self, rows: Tensor) -> Tensor:
+        """Each row's next use in the window after the batch planned now (0: none)."""
+        keys = (rows << _NUMBER_BITS) | (self.current + 1)
+        at = torch.searchsorted(self.window, keys).clamp_(max=self.window_capacity - 1)
+        found = self.window[at]
+        return torch.where((found >> _NUMBER_BITS) == rows, found & _NUMBER_MASK, 0)
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def plan(self, rows: Tensor, train: bool, running: int | None = None, number: int | None = None) -> DevicePlan:
+        """Place every row of a batch in a slot.
+
+        Args:
+            rows: the batch's global rows, one per id (on the planner's device).
+            train: a training batch (counted, and its slots become dirty); else evaluation.
+            running: the plan of a step that may still be running (its slots are kept).
+            number: the batch's window number if it entered the window.
+        """
+        pid = self.plans
+        self.plans += 1
+        if number is not None:
+            self.current = number
+        S, m, sink = self.num_slots, self.max_ids, self.sink
+        n = len(rows)
+        unique, ids, order, group = self._distinct(rows)
+        valid = unique < self.pad_row
+        slot = self._lookup(unique)
+        resident = slot != sink
+        cached = self.slot_cached[slot]  # the sink is never cached
+        self.slot_plan.index_fill_(0, slot, pid)  # kept for this batch from here on
+
+        outside = valid & ~cached
+        if train:
+            self.trained += 1
+            if self.learn:
+                self._sketch_add(unique, outside)
+                self.slot_freq.index_add_(0, torch.where(cached, slot, sink), torch.ones_like(slot, dtype=torch.int32))
+                halve = int(bool(self.decay_every) and self.trained % self.decay_every == 0)
+                self.sketch >>= halve  # an op every step (a shift by 0 mostly): the same work each time
+                self.slot_freq >>= halve
+        freq = torch.where(cached, self.slot_freq[slot].long(), self._sketch_estimate(unique).long())
+        next_use = self._next_use(unique)
+
+        # Candidates (rows not cached), best first.
+        score = torch.where(outside, freq + self._bonus(next_use), -1)
+        score, rank = score.sort(descending=True, stable=True)
+        cand = score >= 0
+        cand_slot, cand_row = slot[rank], unique[rank]
+        cand_resident = cand_slot != sink  # staged already: used in place (and promoted if admitted)
+
+        # Slots, weakest first: empty, then staged, then cached by priority; this batch's and the
+        # running batch's slots never.
+        kept = self.slot_plan == pid
+        if running is not None:
+            kept |= self.slot_plan == running
+        priority = torch.where(self.slot_cached, self.slot_freq.long() + self._bonus(self.slot_next),
+                               torch.where(self.slot_row == self.empty_row, -2, -1))
+        priority = torch.where(kept, _KEPT, priority)[:S]
+        priority, weakest = priority.sort(stable=True)
+        free = (priority < 0).sum()
+        victims = ((priority >= 0) & (priority < _KEPT)).sum()
+
+        # Admission: the first `room` candidates fill free capacity; the next ones contest the
+        # weakest cached slots in turn (candidates' priorities fall, victims' rise).
+        position = self._positions[:m]
+        room = (self.capacity - self.num_cached).clamp_(min=0)
+        contest = position - room
+        contesting = cand & (contest >= 0) & (contest < victims)
+        victim_at = (free + contest).clamp_(0, S - 1)
+        victim, victim_priority = weakest[victim_at], priority[victim_at]
+        beats = torch.ones_like(contesting) if self.admission == "all" else score > victim_priority
+        wins = contesting & beats
+        admitted = (cand & (position < room)) | wins
+        # Rows not resident need a slot: a winner takes its victim's, the others the free slots in order.
+        needs_free = cand & ~cand_resident & ~wins
+        free_at = (torch.cumsum(needs_free, 0) - 1).clamp_(0, S - 1)
+        incoming = cand & ~cand_resident
+        dest = torch.where(wins, victim, weakest[free_at])
+        dest = torch.where(incoming, dest, sink)
+        # A winner already staged is promoted in place: its victim stays as a staged row.
+        demoted = torch.where(wins & cand_resident, victim, sink)
+
+        # Evicted rows (dirty ones go back to the host) and loads.
+        old_rows = self.slot_row[dest]
+        write_back = incoming & self.slot_dirty[dest] & (old_rows < self.pad_row)
+        plan_out = (torch.where(write_back, dest, sink), torch.where(write_back, old_rows, self.pad_row))
+        plan_in = (dest, torch.where(incoming, cand_row, self.pad_row))
+
+        # The new map.
+        self.slot_cached.index_fill_(0, demoted, False)
+        self.slot_row.index_copy_(0, dest, cand_row)
+        self.slot_cached.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), admitted)
+        self.slot_dirty.index_fill_(0, dest, False)
+        self.slot_plan.index_fill_(0, dest, pid)
+        cand_freq = freq[rank].to(torch.int32)
+        self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
+        batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]
+        self.slot_next.index_copy_(0, batch_slot, next_use)
+        if train:  # (the sink's entries are never read: write-backs test `incoming`)
+            self.slot_dirty.index_fill_(0, batch_slot, True)
+        self.num_cached += (admitted & ~wins).sum()
+        self._rebuild_map()
+
+        if train:
+            hits = ids * cached
+            self.counts += torch.stack([
+                ids.sum(), valid.sum(), hits.sum(), ids.sum() - hits.sum(), outside.sum(), admitted.sum(),
+                wins.sum(), write_back.sum(), incoming.sum(),
+            ])
+        slots = batch_slot[group].new_empty(m).index_copy_(0, order, batch_slot[group])[:n]
+        return DevicePlan(pid, slots, *plan_out, *plan_in)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """The counters (reads the device: not for a step)."""
+        return dict(zip(COUNTERS, self.counts.tolist()))
+
+    def dirty(self) -> tuple[Tensor, Tensor]:
+        """Every slot with the host row to write it to (the dummy row where it is not dirty)."""
+        dirty = self.slot_dirty[: self.num_slots] & (self.slot_row[: self.num_slots] < self.pad_row)
+        slots = torch.arange(self.num_slots, device=self.device)
+        return slots, torch.where(dirty, self.slot_row[: self.num_slots], self.pad_row)
+
+    def clean(self) -> None:
+        self.slot_dirty.fill_(False)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the planner's state (maps, counters, sketch, window)."""
+        tensors = (self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq, self.slot_next,
+                   self.map_rows, self.map_slots, self.sketch, self.window, self.counts, self._positions)
+        return sum(t.nbytes for t in tensors)
