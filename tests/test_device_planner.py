@@ -1,0 +1,156 @@
+"""freqcache's device planner: no host synchronisation (checked on fake tensors), the same
+operators whatever the batch or window, a consistent slot map, next uses as the window defines
+them, and hit rates beside the host planner it replaced (the reference model)."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from embbench.cache.device_planner import DevicePlanner
+from embbench.cache.sweep import Workload, simulate
+from embbench.data import Stream, SyntheticCriteo, TableSpec
+
+CPU = torch.device("cpu")
+
+
+def _zipf_batches(rows: int, ids: int, count: int, alpha: float = 1.05) -> list[torch.Tensor]:
+    data = SyntheticCriteo([TableSpec("t0", rows, 1, 1, alpha)], 0)
+    return [data.batch(Stream.TRAIN, i, ids).sparse.values for i in range(count)]
+
+
+def _drive(planner: DevicePlanner, batches, steps: range, numbers: dict, running=None, each=None):
+    """Plan batches as freqcache does: the window holds the next ``lookahead`` batches."""
+    for i in steps:
+        for j in range(i + 1, min(i + 1 + planner.lookahead, len(batches))):
+            if j not in numbers:
+                numbers[j] = planner.enter(batches[j])
+        plan = planner.plan(batches[i], train=True, running=running, number=numbers.pop(i, None))
+        if each is not None:
+            each(i, plan)
+        running = plan.id
+    return running
+
+
+def test_a_step_reads_nothing_on_the_host_and_sizes_nothing_by_the_data():
+    """Under fake tensors an op whose output size depends on the data (unique, nonzero,
+    boolean indexing) or a value read on the host (.item(), int(t)) raises: on CUDA each would
+    be a host synchronisation and would break graph capture."""
+    with FakeTensorMode():
+        planner = DevicePlanner(num_rows=1000, capacity=50, max_ids=64, lookahead=4, device=CPU, decay_every=2)
+        planner.preload(torch.arange(50))
+        batches = [torch.randint(0, 1000, (64,)) for _ in range(8)]
+        _drive(planner, batches, range(3), {})
+        planner.plan(torch.randint(0, 1000, (40,)), train=False)  # an evaluation batch, shorter
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(ids: int, lookahead: int, slots_ratio: float) -> Counter:
+    batches = _zipf_batches(20_000, ids, 30 + lookahead)
+    planner = DevicePlanner(20_000, int(slots_ratio * 20_000), ids, lookahead, CPU, decay_every=3)
+    planner.profile(batches[:4])
+    numbers = {}
+    running = _drive(planner, batches, range(4, 12), numbers)
+    with _Ops() as counted:
+        _drive(planner, batches, range(12, 18), numbers, running)
+    return counted.ops
+
+
+def test_a_step_issues_the_same_operators_whatever_the_batch_window_and_cache():
+    reference = _ops_per_step(ids=256, lookahead=2, slots_ratio=0.01)
+    for ids, lookahead, ratio in ((4096, 2, 0.01), (256, 16, 0.01), (256, 2, 0.2)):
+        assert _ops_per_step(ids, lookahead, ratio) == reference, (ids, lookahead, ratio)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 29), min_size=1, max_size=8), min_size=2, max_size=12),
+       capacity=st.integers(1, 10), admission=st.sampled_from(["all", "tinylfu"]), ahead=st.integers(0, 4),
+       decay=st.sampled_from([0, 2]))
+def test_the_slot_map_stays_consistent_and_next_uses_are_the_window_s(steps, capacity, admission, ahead, decay):
+    batches = [torch.tensor(b) for b in steps]
+    planner = DevicePlanner(num_rows=30, capacity=capacity, max_ids=8, lookahead=ahead, device=CPU,
+                            admission=admission, decay_every=decay)
+    planner.preload(torch.arange(capacity))
+    S, numbers, contents, previous = planner.num_slots, {}, {}, None
+
+    def check(i, plan):
+        nonlocal previous
+        rows = planner.slot_row[:S]
+        # every id sits in a slot that holds its row; a row in one slot only
+        assert torch.equal(rows[plan.slots], batches[i]), "an id's slot does not hold its row"
+        occupied = rows[rows < planner.pad_row]
+        assert len(occupied.unique()) == len(occupied)
+        assert int(planner.slot_cached[:S].sum()) == int(planner.num_cached) <= capacity
+        assert bool(planner.slot_dirty[plan.slots].all())
+        if previous is not None:  # the running batch's rows stayed where it reads them
+            assert torch.equal(rows[previous[0]], previous[1]), "a slot of the running step was taken"
+        previous = (plan.slots.clone(), batches[i].clone())
+        # loads and write-backs: padded with the sink and the dummy row
+        loaded = plan.load_rows < planner.pad_row
+        assert torch.equal(loaded, plan.load_slots < S)
+        assert torch.equal(rows[plan.load_slots[loaded]], plan.load_rows[loaded])
+        # next uses: the nearest window batch after this one with the row (ignored where none)
+        window = {n: set(batches[j].tolist()) for j, n in numbers.items()}
+        for slot in range(S):
+            row = int(rows[slot])
+            if row >= planner.pad_row:
+                continue
+            expected = min((n for n, r in window.items() if row in r and n > planner.current), default=None)
+            got = int(planner.slot_next[slot])
+            if expected is None:
+                assert got <= planner.current, f"row {row}: next use {got}, none in the window"
+            else:
+                assert got == expected, f"row {row}: next use {got}, expected {expected}"
+
+    _drive(planner, batches, range(len(batches)), numbers, each=check)
+
+
+def test_a_row_the_window_needs_next_outranks_one_it_needs_later():
+    """Rows 0 and 1 cached; the window uses 1 before 0: a newcomer evicts 0."""
+    planner = DevicePlanner(num_rows=10, capacity=2, max_ids=1, lookahead=3, device=CPU, admission="all", learn=False)
+    planner.preload(torch.tensor([0, 1]))
+    batches = [torch.tensor([5]), torch.tensor([1]), torch.tensor([0])]
+    _drive(planner, batches + [torch.tensor([7])], range(1), {})
+    held = set(planner.slot_row[planner.slot_cached].tolist())
+    assert held == {1, 5}
+
+
+def test_writes_back_only_dirty_rows_and_loads_each_missing_row_once():
+    planner = DevicePlanner(num_rows=20, capacity=2, max_ids=4, lookahead=0, device=CPU, admission="all")
+    planner.preload(torch.tensor([0, 1]))
+    first = planner.plan(torch.tensor([0, 2, 2, 3]), train=True)
+    assert sorted(first.load_rows[first.load_rows < 20].tolist()) == [2, 3]
+    assert (first.write_back_rows == 20).all(), "clean preloaded rows are never written back"
+    planner.plan(torch.tensor([4, 5, 6, 7]), train=True, running=first.id)
+    third = planner.plan(torch.tensor([8, 9, 10, 11]), train=True, running=first.id + 1)
+    written = third.write_back_rows[third.write_back_rows < 20].tolist()
+    assert set(written) <= {0, 2, 3}, written  # only rows a training batch made dirty, none of the running batch's
+
+
+@pytest.mark.parametrize("batch_ids,lookahead", [(256, 8), (512, 32)])
+def test_hit_rates_are_the_host_planner_s_within_a_few_tenths_of_a_point(batch_ids, lookahead):
+    """Against the reference model (the NumPy SlotPlanner), with a cache larger than a batch's
+    distinct rows. The reference may also evict the running batch's rows (moved once it
+    ends); the device planner keeps them, which costs up to a point and more where the cache
+    is smaller than a batch (docs/freqcache.md has both beside Belady)."""
+    results = {}
+    for planner in ("host", "device"):
+        w = Workload(alpha=1.05, rows=20_000, cache_ratio=0.05, batch_ids=batch_ids, lookahead=lookahead, planner=planner)
+        results[planner] = simulate(w, profile_batches=8, warmup_steps=8, steps=64 + lookahead)
+    host, device = results["host"], results["device"]
+    assert abs(host["hit_rate"] - device["hit_rate"]) < 0.003
+    assert abs(host["unique_hit_rate"] - device["unique_hit_rate"]) < 0.005
+    assert device["unique_hit_rate"] <= device["belady_unique_hit_rate"] + 1e-9
