@@ -1,4 +1,5 @@
-"""Micro-benchmark of freqcache's host planning at the Criteo-Kaggle shape (batch 16384, 1.5 % cache).
+"""Micro-benchmark of freqcache's planners at the Criteo-Kaggle shape (batch 16384, 1.5 % cache): the host
+reference (SlotPlanner) and the device planner of freqcache v3 (DevicePlanner, here on CPU tensors).
 
     .venv/bin/python -m pytest benchmarks/test_planner.py --benchmark-columns=median,iqr,max
 
@@ -51,4 +52,37 @@ def test_plan_one_batch(benchmark, scale, lookahead):
     c = planner.counters
     benchmark.extra_info.update(rows=space.num_rows, capacity=planner.capacity,
                                 distinct_per_batch=c["unique_accesses"] / planner.plans,
+                                hit_rate=c["hits"] / c["accesses"])
+
+
+@pytest.mark.parametrize("lookahead", [8, 64])
+@pytest.mark.parametrize("scale", [0.1, 1.0])
+def test_device_plan_one_batch(benchmark, scale, lookahead):
+    """freqcache v3's device planner, run on the CPU here (on a GPU the same ops run there):
+    one round is one step's decisions, a batch entering the window and the next one planned."""
+    import torch
+
+    from embbench.cache.device_planner import DevicePlanner
+
+    tables = make_tables("criteo_kaggle", dim=128, scale=scale)
+    space = RowSpace(tables)
+    data = SyntheticCriteo(tables, seed=0)
+    rows = [space.global_rows(data.batch(Stream.TRAIN, i, BATCH).sparse) for i in range(PROFILE + ROUNDS + 5 + lookahead + 1)]
+    planner = DevicePlanner(space.num_rows, math.ceil(CACHE_RATIO * space.num_rows), len(rows[0]), lookahead,
+                            torch.device("cpu"), decay_every=256)
+    planner.profile(rows[:PROFILE])
+    batches = rows[PROFILE:]
+    numbers = {i: planner.enter(batches[i]) for i in range(1, 1 + lookahead)}
+    state = {"i": 0, "running": planner.plan(batches[0], train=True).id}
+
+    def step():
+        i = state["i"] = state["i"] + 1
+        numbers[i + lookahead] = planner.enter(batches[i + lookahead])
+        state["running"] = planner.plan(batches[i], train=True, running=state["running"], number=numbers.pop(i)).id
+
+    for _ in range(5):  # warm-up, not measured
+        step()
+    benchmark.pedantic(step, rounds=ROUNDS, iterations=1)
+    c = planner.counters()
+    benchmark.extra_info.update(rows=space.num_rows, capacity=planner.capacity, planner_device_bytes=planner.nbytes,
                                 hit_rate=c["hits"] / c["accesses"])

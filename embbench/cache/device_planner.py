@@ -134,7 +134,7 @@ class DevicePlanner:
         self.current = 0  # the number of the window batch planned last (pairs up to it are stale)
         self.plans = 0
         self.trained = 0
-        self._positions = torch.arange(max(m, self.window_capacity) + m, device=device)
+        self._positions = torch.arange(m, device=device)
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -227,11 +227,11 @@ class DevicePlanner:
         kept.scatter_(0, torch.where(live, torch.cumsum(live, 0) - 1, C), self.window)
         kept = kept[:C]
         # Merge: the incoming pairs' places, then the kept pairs fill the others in order.
-        at_incoming = torch.searchsorted(kept, incoming) + self._positions[:m]
+        at_incoming = torch.searchsorted(kept, incoming) + self._positions
         taken = torch.zeros(C + m, dtype=torch.bool, device=self.device).index_fill_(0, at_incoming, True)
         free = ~taken
         at_kept = torch.empty(C + m + 1, dtype=torch.int64, device=self.device)
-        at_kept.scatter_(0, torch.where(free, torch.cumsum(free, 0) - 1, C + m), self._positions[: C + m])
+        at_kept.scatter_(0, torch.where(free, torch.cumsum(free, 0) - 1, C + m), torch.arange(C + m, device=self.device))
         merged = torch.empty(C + m, dtype=torch.int64, device=self.device)
         merged.scatter_(0, at_kept[:C], kept).scatter_(0, at_incoming, incoming)
         self.window.copy_(merged[:C])  # past C: padding only (at most C pairs are live)
@@ -305,7 +305,7 @@ class DevicePlanner:
 
         # Admission: the first `room` candidates fill free capacity; the next ones contest the
         # weakest cached slots in turn (candidates' priorities fall, victims' rise).
-        position = self._positions[:m]
+        position = self._positions
         room = (self.capacity - self.num_cached).clamp_(min=0)
         contest = position - room
         contesting = cand & (contest >= 0) & (contest < victims)

@@ -138,10 +138,11 @@ def run_sweep(sweep: Sweep):
 
 def _summary(results: list[dict]) -> str:
     lines = []
-    for admission, lookahead in sorted({(r["admission"], r["lookahead"]) for r in results}):
-        group = [r for r in results if r["admission"] == admission and r["lookahead"] == lookahead]
+    for admission, lookahead, planner in sorted({(r["admission"], r["lookahead"], r["planner"]) for r in results}):
+        group = [r for r in results
+                 if (r["admission"], r["lookahead"], r["planner"]) == (admission, lookahead, planner)]
         u, a = [100 * r["unique_gap"] for r in group], [100 * r["gap"] for r in group]
-        lines.append(f"admission={admission} lookahead={lookahead}: {len(group)} workloads; points below Belady "
+        lines.append(f"planner={planner} admission={admission} lookahead={lookahead}: {len(group)} workloads; points below Belady "
                      f"per distinct row median {statistics.median(u):.2f} worst {max(u):.2f}, "
                      f"per access median {statistics.median(a):.2f} worst {max(a):.2f}")
     return "\n".join(lines)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in run_sweep(sweep):
         results.append(r)
         print(f"{r['alpha']:5.2f} {r['rows']:8d} {r['cache_ratio']:6.3f} {r['batch_ids']:6d} {r['admission']:>7} "
-              f"{r['lookahead']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
+              f"{r['lookahead']:5d} {r['planner']:>6} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
               f"{100 * r['gap']:5.2f} | {100 * r['unique_hit_rate']:6.2f} {100 * r['belady_unique_hit_rate']:6.2f} "
               f"{100 * r['unique_gap']:5.2f}", flush=True)
     print(_summary(results))
