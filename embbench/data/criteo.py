@@ -307,14 +307,32 @@ def _check_entry(directory: Path, layout: Callable[[dict], dict[str, tuple[np.dt
     return meta
 
 
+def _extremes(block: np.ndarray, per_column: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The minimum and maximum of a block of rows, of each column when ``per_column`` (rows
+    folded 64 to a line first: numpy reduces a few long lines several times faster)."""
+    if not per_column:
+        return block.min(), block.max()
+    n = len(block) // 64 * 64
+    rows = [block[n:]]
+    if n:
+        folded = block[:n].reshape(n // 64, -1)
+        rows += [folded.min(0).reshape(64, -1), folded.max(0).reshape(64, -1)]
+    rows = np.concatenate(rows)
+    return rows.min(0), rows.max(0)
+
+
 def _out_of_range(array: np.ndarray, low: np.ndarray | int, high: np.ndarray | int) -> tuple[int, int] | None:
-    """(row, column) of the first value outside ``[low, high)``, checked in chunks of rows; or None."""
+    """(row, column) of the first value outside ``[low, high)`` (NaN included), checked in
+    chunks of rows by their minimum and maximum (about 6 GB/s); or None."""
+    per_column = np.ndim(low) > 0 or np.ndim(high) > 0
     for a in range(0, len(array), _VALUE_CHUNK_ROWS):
         block = np.asarray(array[a : a + _VALUE_CHUNK_ROWS])
-        bad = (block < low) | (block >= high)
-        if bad.any():
-            row = int(np.argmax(bad.reshape(len(block), -1).any(1)))
-            return a + row, int(np.argmax(bad.reshape(len(block), -1)[row]))
+        smallest, largest = _extremes(block, per_column)
+        if np.all(smallest >= low) and np.all(largest < high):  # NaN fails both
+            continue
+        bad = ~((block >= low) & (block < high)).reshape(len(block), -1)
+        row = int(np.argmax(bad.any(1)))
+        return a + row, int(np.argmax(bad[row]))
     return None
 
 
@@ -731,6 +749,10 @@ def _remap(ids: np.ndarray, vocabularies: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _dataset_layout(meta: dict) -> dict[str, tuple[np.dtype, tuple]]:
+    return {f"ids-{name}.npy": (np.int32, (rows, NUM_TABLES)) for name, rows in meta["rows"].items()}
+
+
 def _dataset_values(directory: Path, meta: dict, full: bool) -> None:
     """Every remapped id within its table, ``[0, cardinality)``, when ``full``."""
     if not full:
@@ -786,11 +808,8 @@ def prepare_dataset(files: list[Path], cache_dir: Path, eval_spec: float | list[
                 "alphas": [fit_zipf_alpha(count) for _, count in counts], "seconds": time.perf_counter() - started}
         (tmp / "meta.json").write_text(json.dumps(meta))
 
-    def layout(meta: dict) -> dict[str, tuple[np.dtype, tuple]]:
-        return {f"ids-{name}.npy": (np.int32, (rows, NUM_TABLES)) for name, rows in meta["rows"].items()}
-
     def check(directory: Path, full: bool) -> dict:
-        meta = _check_entry(directory, layout, _dataset_values, full)
+        meta = _check_entry(directory, _dataset_layout, _dataset_values, full)
         if meta["spec"] != spec:
             raise _Damaged("built from other versions of its files")
         return meta
