@@ -34,8 +34,9 @@ class DataSizeError(ValueError):
 
 
 def data_cache_dir() -> Path:
-    """Where parsed files live: ``$EMBBENCH_DATA_CACHE`` (``embbench run`` sets it to
-    ``--data-cache`` or the run directory's ``data-cache``), else ``results/data-cache``."""
+    """Where parsed files live: ``$EMBBENCH_DATA_CACHE`` (``embbench run`` sets it to its
+    ``--data-cache``), else ``results/data-cache``: one folder for every run, its entries
+    keyed by the data alone."""
     return Path(os.environ.get(CACHE_ENV) or Path("results") / "data-cache")
 
 
