@@ -249,3 +249,14 @@ def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path):
     assert (f"error: data cache entry {labels.parent}: labels.npy is 2,000 bytes, manifest.json says" in proc.stderr
             and f"run `embbench data prepare {scenario} --data-cache {cache}`" in proc.stderr), proc.stderr
     assert not list((tmp_path / "run").glob("*.json")), "no cell ran"
+
+
+def test_a_changed_source_replaces_its_entries_instead_of_adding_more(tmp_path):
+    source = write_fake_criteo(tmp_path / "train.txt", 600, seed=1)
+    cache = tmp_path / "cache"
+    _prepare(source, cache)
+    write_fake_criteo(source, 700, seed=2)  # the file is replaced by another (gigabytes of stale cache otherwise)
+    ds, said = _prepare(source, cache)
+    assert f"{source} changed since it was parsed" in said and "meta.json: built from other versions of its input files" in said
+    assert ds.rows(Stream.TRAIN) + ds.rows(Stream.EVAL) == 700
+    assert len(list(cache.glob("files/*"))) == 1 and len(list(cache.glob("datasets/*"))) == 1

@@ -816,7 +816,7 @@ def prepare_dataset(files: list[Path], cache_dir: Path, eval_spec: float | list[
     def check(directory: Path, full: bool) -> dict:
         meta = _check_entry(directory, _dataset_layout, _dataset_values, full)
         if meta["spec"] != spec:
-            raise _Damaged("built from other versions of its files")
+            raise _Damaged("meta.json: built from other versions of its input files")
         return meta
 
     meta = _cache_entry(final, fill, check, verify)
