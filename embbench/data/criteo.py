@@ -198,9 +198,9 @@ class _Damaged(Exception):
 def _digest(path: Path) -> str:
     """The xxh3-128 hash of a file's bytes, read memory-mapped in chunks (about 17 GB/s from
     memory on one core; the page cache and the disk bound it below that)."""
-    import xxhash
+    from embbench.optional import require
 
-    h = xxhash.xxh3_128()
+    h = require("xxhash", "checking the data cache").xxh3_128()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size:
