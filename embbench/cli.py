@@ -89,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
     if not args.dry_run:
         _run_directory(out)  # before any data is converted into it
-    _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
+    _prepare_data(args.scenario, scenario, _data_cache(args), verify=args.verify_data)
     if args.dry_run:
         _dry_run(scenario, cells)
         return 0
@@ -156,17 +156,28 @@ def _progress_callback(progress: Progress):
     return on_progress
 
 
-def _prepare_data(scenario, cache_dir: Path) -> None:
+def _data_cache(args: argparse.Namespace) -> Path:
+    """``--data-cache``, else one folder shared by every run: its entries are keyed by the data alone."""
+    return Path(args.data_cache) if args.data_cache else Path("results") / "data-cache"
+
+
+def _prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False) -> None:
     """Point the cells at the data cache and, for files, convert and check them before any
-    cell starts (a malformed or too short file stops the run here, with nothing run)."""
+    cell starts (a malformed or too short file, or a damaged cache entry that cannot be
+    rebuilt, stops the run here, with nothing run). ``verify`` hashes every entry."""
+    from embbench.data.criteo import DataCacheError
     from embbench.data.sources import CACHE_ENV, check_rows, criteo_dataset, stream_rows
 
     os.environ[CACHE_ENV] = str(cache_dir.resolve())
     if scenario.data.source == "synthetic":
         return
     if scenario.data.source == "criteo_tsv":
-        with _conversion_progress() as progress:
-            criteo_dataset(scenario.data, cache_dir, _progress_callback(progress))
+        try:
+            with _conversion_progress() as progress:
+                criteo_dataset(scenario.data, cache_dir, _progress_callback(progress), verify=verify)
+        except DataCacheError as e:
+            e.scenario = path  # the rebuild command names this scenario file
+            raise
     check_rows(scenario.data, scenario.run, stream_rows(scenario.data))
 
 
@@ -205,7 +216,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="embbench-check-") as tmp:
         cache = Path(args.data_cache) if args.data_cache else Path(tmp)
         with _conversion_progress() as progress:
-            parsed = [convert_file(f, cache, hash_sizes, _progress_callback(progress)) for f in input_files(args.path, args.format)]
+            parsed = [convert_file(f, cache, hash_sizes, _progress_callback(progress), verify=True)
+                      for f in input_files(args.path, args.format)]
         rows = sum(f.rows for f in parsed)
         positives = sum(int(np.asarray(f.array("labels"), dtype=np.int64).sum()) for f in parsed)
         counts = id_counts([(f, 0, f.rows) for f in parsed])
@@ -219,12 +231,12 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
-    cache = Path(args.data_cache) if args.data_cache else _default_run_dir(args.scenario, scenario) / "data-cache"
+    cache = _data_cache(args)
     if scenario.data.source == "synthetic":
         console.print(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare")
         return 0
     start = time.perf_counter()
-    _prepare_data(scenario, cache)
+    _prepare_data(args.scenario, scenario, cache, verify=True)  # every entry hashed, whatever its size
     tables = scenario.tables()
     console.print(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
                   f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}")
@@ -236,7 +248,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     from embbench.data.trace import record_trace
 
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
-    _prepare_data(scenario, Path(args.data_cache) if args.data_cache else Path("results") / "data-cache")
+    _prepare_data(args.scenario, scenario, _data_cache(args))
     train, evaluation = batches_needed(scenario.run)
     train = args.train_batches or train
     evaluation = args.eval_batches if args.eval_batches is not None else evaluation
@@ -441,7 +453,8 @@ def _add_data_commands(sub) -> None:
     check.set_defaults(func=cmd_data_check)
     prepare = data_sub.add_parser("prepare", help="build a scenario's data cache ahead of `embbench run`")
     prepare.add_argument("scenario", help="scenario YAML file")
-    prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: the run directory's)")
+    prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: results/data-cache); "
+                         "existing entries are hashed and rebuilt if damaged")
     prepare.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
     trace = sub.add_parser("trace", help="record the id stream a scenario produces")
@@ -469,7 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")
-    run.add_argument("--data-cache", help="folder of parsed data files, shared across runs (default: <run dir>/data-cache)")
+    run.add_argument("--data-cache", help="folder of parsed data files, shared across runs (default: results/data-cache)")
+    run.add_argument("--verify-data", action="store_true",
+                     help="hash the data cache entries even when they are 1 GiB or more (smaller ones always are)")
     run.add_argument("--quiet", action="store_true", help="no live progress and no line per cell; the table and a summary only")
     run.add_argument("--profile", action="store_true",
                      help="a torch.profiler Chrome trace per cell (untimed extra steps) in <run dir>/profiles/, "

@@ -34,8 +34,9 @@ class DataSizeError(ValueError):
 
 
 def data_cache_dir() -> Path:
-    """Where parsed files live: ``$EMBBENCH_DATA_CACHE`` (``embbench run`` sets it to
-    ``--data-cache`` or the run directory's ``data-cache``), else ``results/data-cache``."""
+    """Where parsed files live: ``$EMBBENCH_DATA_CACHE`` (``embbench run`` sets it to its
+    ``--data-cache``), else ``results/data-cache``: one folder for every run, its entries
+    keyed by the data alone."""
     return Path(os.environ.get(CACHE_ENV) or Path("results") / "data-cache")
 
 
@@ -49,20 +50,35 @@ def hash_sizes(data: "DataConfig") -> list[int] | None:
 def _dataset(data_json: str, cache_dir: Path) -> CriteoDataset:
     from embbench.scenario import DataConfig
 
-    return _prepare(DataConfig.model_validate_json(data_json), cache_dir, None)
+    return _prepare(DataConfig.model_validate_json(data_json), cache_dir, None, verify=False)
 
 
-def _prepare(data: "DataConfig", cache_dir: Path, on_progress: Progress | None) -> CriteoDataset:
-    eval_spec: Any = input_files(data.eval, data.format) if isinstance(data.eval, str) else data.eval
-    return prepare_dataset(input_files(data.path, data.format), cache_dir, eval_spec, hash_sizes(data),
-                           data.min_count, on_progress)
+def _files(path: str, fmt) -> list[Path]:
+    """``input_files``; a single file that is gone is still named, for its cache entry may serve."""
+    try:
+        return input_files(path, fmt)
+    except FileNotFoundError:
+        if any(c in path for c in "*?[") or path.endswith(os.sep):
+            raise
+        return [Path(path)]
 
 
-def criteo_dataset(data: "DataConfig", cache_dir: Path | None = None, on_progress: Progress | None = None) -> CriteoDataset:
-    """The prepared dataset of a ``criteo_tsv`` scenario (converted on first use, then cached)."""
+def _prepare(data: "DataConfig", cache_dir: Path, on_progress: Progress | None, verify: bool) -> CriteoDataset:
+    eval_spec: Any = _files(data.eval, data.format) if isinstance(data.eval, str) else data.eval
+    return prepare_dataset(_files(data.path, data.format), cache_dir, eval_spec, hash_sizes(data),
+                           data.min_count, on_progress, verify)
+
+
+def criteo_dataset(data: "DataConfig", cache_dir: Path | None = None, on_progress: Progress | None = None,
+                   verify: bool = False) -> CriteoDataset:
+    """The prepared dataset of a ``criteo_tsv`` scenario (converted on first use, then cached).
+
+    Every open checks the cache entries (:func:`embbench.data.criteo.prepare_dataset`);
+    ``verify`` hashes them whatever their size.
+    """
     cache_dir = (cache_dir or data_cache_dir()).resolve()
-    if on_progress is not None:
-        _prepare(data, cache_dir, on_progress)  # fills the cache with progress shown; the lookup below is then cheap
+    if on_progress is not None or verify:
+        _prepare(data, cache_dir, on_progress, verify)  # progress shown or hashes checked; the lookup below is then cheap
     return _dataset(data.model_dump_json(), cache_dir)
 
 
