@@ -29,8 +29,9 @@ the window). The slots are ranked by priority (one sort of all slots: fully asso
 batch's candidates (rows not cached) by theirs; the i-th candidate beyond the free capacity
 contests the i-th weakest cached slot and, with ``tinylfu`` admission, is admitted only if its
 priority is higher; candidates not admitted are staged in free (empty or staged) slots for
-this step. Slots of this batch and of the running one (the step that may still compute) are
-never taken, so every move of a plan can be done at once.
+this step. Slots of this batch are never taken, nor the staged slots of the running one (the
+step that may still compute); its cached slots may be, as Belady would: the moves into those
+(the plan's *late* moves) wait until it has ended.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ _MULTIPLIERS = [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6
 
 #: The planner's counters, in the order of its counter tensor.
 COUNTERS = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted",
-            "rows_evicted", "rows_written_back", "rows_loaded")
+            "rows_evicted", "rows_written_back", "rows_loaded", "rows_moved_late")
 
 
 def _signed(value: int) -> int:
@@ -67,7 +68,9 @@ class DevicePlan:
     """What the rows must do before a batch's lookup: all tensors on the planner's device, of
     fixed length ``max_ids``, padded with the sink slot and the dummy host row.
 
-    Write-backs come first (a load may reuse their slot).
+    Write-backs come first (a load may reuse their slot). Entry ``i`` of the four lists is one
+    slot's move; ``late[i]`` marks the moves into slots the running step still uses: they wait
+    until that step has ended.
     """
 
     id: int
@@ -76,6 +79,18 @@ class DevicePlan:
     write_back_rows: Tensor
     load_slots: Tensor
     load_rows: Tensor
+    late: Tensor
+
+    def part(self, late: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The early (or late) moves, the others replaced by padding: ``(write-back slots,
+        write-back rows, load slots, load rows)``."""
+        mine = self.late if late else ~self.late
+        sink, pad = self.load_slots.new_tensor(self.sink), self.load_rows.new_tensor(self.pad_row)
+        return (torch.where(mine, self.write_back_slots, sink), torch.where(mine, self.write_back_rows, pad),
+                torch.where(mine, self.load_slots, sink), torch.where(mine, self.load_rows, pad))
+
+    sink: int = 0
+    pad_row: int = 0
 
 
 class DevicePlanner:
@@ -291,11 +306,12 @@ class DevicePlanner:
         cand_slot, cand_row = slot[rank], unique[rank]
         cand_resident = cand_slot != sink  # staged already: used in place (and promoted if admitted)
 
-        # Slots, weakest first: empty, then staged, then cached by priority; this batch's and the
-        # running batch's slots never.
+        # Slots, weakest first: empty, then staged, then cached by priority; never this batch's,
+        # nor the running batch's staged ones. Its cached ones may be taken (as Belady would):
+        # those moves are late, done once it has ended.
         kept = self.slot_plan == pid
         if running is not None:
-            kept |= self.slot_plan == running
+            kept |= (self.slot_plan == running) & ~self.slot_cached
         priority = torch.where(self.slot_cached, self.slot_freq.long() + self._bonus(self.slot_next),
                                torch.where(self.slot_row == self.empty_row, -2, -1))
         priority = torch.where(kept, _KEPT, priority)[:S]
@@ -328,6 +344,7 @@ class DevicePlanner:
         write_back = incoming & self.slot_dirty[dest] & (old_rows < self.pad_row)
         plan_out = (torch.where(write_back, dest, sink), torch.where(write_back, old_rows, self.pad_row))
         plan_in = (dest, torch.where(incoming, cand_row, self.pad_row))
+        late = incoming & (self.slot_plan[dest] == (-2 if running is None else running))
 
         # The new map.
         self.slot_cached.index_fill_(0, demoted, False)
@@ -348,10 +365,10 @@ class DevicePlanner:
             hits = ids * cached
             self.counts += torch.stack([
                 ids.sum(), valid.sum(), hits.sum(), ids.sum() - hits.sum(), outside.sum(), admitted.sum(),
-                wins.sum(), write_back.sum(), incoming.sum(),
+                wins.sum(), write_back.sum(), incoming.sum(), late.sum(),
             ])
         slots = batch_slot[group].new_empty(m).index_copy_(0, order, batch_slot[group])[:n]
-        return DevicePlan(pid, slots, *plan_out, *plan_in)
+        return DevicePlan(pid, slots, *plan_out, *plan_in, late, sink=sink, pad_row=self.pad_row)
 
     # -- reporting -----------------------------------------------------------------------------
 

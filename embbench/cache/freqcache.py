@@ -14,7 +14,8 @@ never waits for the device. Each batch the runner looks ahead to enters the plan
 when it is first seen (its ids are on the device already); the next batch is planned and its
 rows moved while the current one computes (``prefetch``), on a side stream on CUDA. The moves
 are two padded gathers and scatters against the host table: dirty victims out, missing rows
-in. Slots of the running step are never taken, so no move waits for it.
+in. A plan may take cached slots of the running step (as Belady would): those moves (the
+plan's late part) wait for the next forward, when that step has ended.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class FreqCache(SparseModule):
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._numbers: dict[int, tuple[Tensor, int]] = {}  # id(values) -> (values, window number)
         self._prefetched: _Prefetched | None = None
+        self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
         self._running: int | None = None  # the plan of the last forwarded batch
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
@@ -138,18 +140,28 @@ class FreqCache(SparseModule):
         plan = self.planner.plan(rows, train, running, self._window_number(features))
         if closes:
             self._window_end = self.planner.counts.clone()
-        self._move(plan)
+        self._move(*plan.part(late=False))
+        if running is not None:
+            self._late = plan
         return plan.slots
 
-    def _move(self, plan: DevicePlan) -> None:
+    def _move(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor) -> None:
         """Dirty victims out to the host table, then the missing rows in (padded: the sink slot
         and the dummy host row take the padding)."""
         dim, host = self.dim, self.host
-        out = torch.cat([self.cache_weights[plan.write_back_slots], self.cache_state[plan.write_back_slots]], 1)
-        host.index_copy_(0, plan.write_back_rows.to(host.device), out.to(host.device))
-        rows = host[plan.load_rows.to(host.device)].to(self.device)
-        self.cache_weights.index_copy_(0, plan.load_slots, rows[:, :dim])
-        self.cache_state.index_copy_(0, plan.load_slots, rows[:, dim:])
+        out = torch.cat([self.cache_weights[write_back_slots], self.cache_state[write_back_slots]], 1)
+        host.index_copy_(0, write_back_rows.to(host.device), out.to(host.device))
+        rows = host[load_rows.to(host.device)].to(self.device)
+        self.cache_weights.index_copy_(0, load_slots, rows[:, :dim])
+        self.cache_state.index_copy_(0, load_slots, rows[:, dim:])
+
+    def _apply_late(self) -> None:
+        """The last plan's moves into slots the step before it used, now that that step has
+        ended (its update is queued before this)."""
+        plan, self._late = self._late, None
+        if plan is not None:
+            with self._on_side():
+                self._move(*plan.part(late=True))
 
     def _on_side(self):
         """The side stream on CUDA, after the work queued so far on the training stream."""
@@ -165,6 +177,7 @@ class FreqCache(SparseModule):
     # -- the SparseModule interface ------------------------------------------------------------
 
     def forward(self, features: SparseFeatures) -> Tensor:
+        self._apply_late()  # the step that used those slots has ended
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched.values is features.values:
             slots, self._running = prefetched.slots, prefetched.plan
@@ -223,6 +236,7 @@ class FreqCache(SparseModule):
 
     def flush(self) -> list[Tensor]:
         """Write every dirty slot back, then return the tables."""
+        self._apply_late()
         self._join_side()
         slots, rows = self.planner.dirty()
         out = torch.cat([self.cache_weights[slots], self.cache_state[slots]], 1)
