@@ -51,8 +51,9 @@ def report(tmp_path):
 
 def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
     text = report.read_text()
-    # nothing fetched from elsewhere: every image is inline, no external script or sheet
-    assert not re.search(r"(src|href)=\"(?!data:)", text) and "<script" not in text
+    # nothing fetched from elsewhere: every image is inline, the one script too, no sheet
+    assert not re.search(r"(src|href)=\"(?!data:)", text) and not re.search(r"<script[^>]*src", text)
+    assert text.count("<script>") == 1
     images = re.findall(r'<img alt="" src="data:image/png;base64,[A-Za-z0-9+/=]+">', text)
     # throughput/memory per run (2), hit rates (1), step times (1), per-rank bars of the 2-rank cell per run (2)
     assert len(images) == 6
@@ -62,13 +63,35 @@ def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
     assert "freqcache[cache_ratio=0.1]@w1" in text and "Mann-Whitney U" in text and "aten::mm" in text
 
 
-def test_a_report_without_caches_or_ranks_says_there_is_nothing_to_plot(tmp_path):
+def test_a_report_without_caches_or_ranks_leaves_their_sections_out(tmp_path):
     run = write_run(tmp_path / "a", [make_record("device")])
     out = tmp_path / "r.html"
     assert main(["report", str(run), "--out", str(out)]) == 0
     text = out.read_text()
     assert text.count("<img") == 2  # throughput/memory, step times
-    assert text.count("nothing to plot") == 2 and "Comparison against" not in text
+    assert "Per rank" not in text and "Hit rate against" not in text and "Comparison against" not in text
+    assert "Throughput against device memory" in text and "Step times" in text
+
+
+def _tables(text: str) -> list[str]:
+    return re.findall(r'<table class="sortable">.*?</table>', text, re.S)
+
+
+def test_the_results_are_html_tables_with_a_row_per_cell_and_sort_values(report):
+    text = report.read_text()
+    assert '<pre class="rich">' not in text.split("<h2>Top operators")[0]  # only the profiles stay rich text
+    results, _, comparison = _tables(text)  # a table per run, then B against A
+    headers = re.findall(r"<th [^>]*>(.*?)</th>", results)
+    assert headers[:5] == ["cell", "status", "samples/s<br>(95% CI)", "step ms<br>median / p95", "speedup"]
+    rows = re.findall(r"<tr>(.*?)</tr>", results.split("<tbody>")[1])
+    assert len(rows) == len(_records())
+    cells = re.findall(r'<td class="\w+"(?: data-sort="([^"]*)")?>(.*?)</td>', rows[0])
+    assert cells[0] == ("device@w1", "device@w1") and len(cells) == len(headers)
+    # the sort value is the number, not its rounded text with separators and a spread
+    sort, shown = cells[2]
+    assert float(sort) == pytest.approx(512 / 0.01) and shown.startswith("51,200")
+    assert "uvm@w1" in results and "unsupported" in results
+    assert "samples/s" in comparison and "significant" in comparison
 
 
 def _browser() -> str | None:

@@ -1,0 +1,228 @@
+"""Tables of runs that fit where they are shown.
+
+A :class:`Grid` is a table before it is drawn: named columns, most important first, and a
+row per cell. :func:`fit_columns` alone decides which columns a terminal shows (``run``,
+``show`` and ``compare`` all print through :func:`print_grid`): the columns that are
+always shown, then as many of the others, in order, as fit the console's width, leaving
+out columns no row fills; ``--columns`` picks, ``--wide`` shows all. :func:`html_table`
+draws the same grid as a sortable HTML ``<table>`` for the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import io
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["Column", "Grid", "Row", "View", "column_names", "filled_columns", "fit_columns", "html_table",
+           "print_grid", "rich_table"]
+
+Cell = Union[str, Text]
+
+#: Wide enough to measure any table at its natural width (no cell wrapped).
+_UNBOUNDED = 100_000
+
+
+@dataclass(frozen=True)
+class Column:
+    """``key`` is the column's name for ``--columns`` and the footer; ``always``: shown at
+    any width (the row's identity and its headline numbers)."""
+
+    key: str
+    header: str
+    always: bool = False
+    justify: str = "right"
+
+
+@dataclass
+class Row:
+    cells: dict[str, Cell]
+    #: what the HTML table sorts a column by (absent: its text)
+    sort: dict[str, float | str | None] = field(default_factory=dict)
+
+
+@dataclass
+class Grid:
+    """``columns`` in priority order, which is also the order they are drawn in; the first
+    is the row's identity. The caption is ``caption`` and the ``notes`` of the columns shown."""
+
+    columns: list[Column]
+    rows: list[Row]
+    title: str | Text | None = None
+    caption: str | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class View:
+    """What the user asked for: ``columns`` by name (``--columns``), all of them (``--wide``),
+    or neither: as many as fit the width."""
+
+    columns: tuple[str, ...] | None = None
+    wide: bool = False
+
+
+def column_names(valid: Sequence[str]):
+    """An argparse type for ``--columns a,b,c``: names out of ``valid``, an unknown one an
+    error that lists them (argparse exits 2)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        unknown = [n for n in names if n not in valid]
+        if unknown or not names:
+            what = f"unknown column {', '.join(map(repr, unknown))}" if unknown else "no column named"
+            raise argparse.ArgumentTypeError(f"{what}; valid: {', '.join(valid)}")
+        return names
+
+    parse.__name__ = "column names"
+    return parse
+
+
+def _blank(cell: Cell | None) -> bool:
+    text = cell.plain if isinstance(cell, Text) else cell
+    return not text or text.strip() in ("", "-")
+
+
+def filled_columns(grid: Grid) -> list[str]:
+    """The keys of the columns some row has a value in ("-" is none)."""
+    return [c.key for c in grid.columns if any(not _blank(row.cells.get(c.key)) for row in grid.rows)]
+
+
+def rich_table(grid: Grid, keys: Sequence[str]) -> Table:
+    """The grid with the columns ``keys`` (in that order) as a rich Table."""
+    by_key = {c.key: c for c in grid.columns}
+    caption = "; ".join(([grid.caption] if grid.caption else []) + [grid.notes[k] for k in keys if k in grid.notes])
+    table = Table(title=grid.title, header_style="bold", caption=caption or None)
+    for key in keys:
+        # fold, not crop: on a narrow terminal a long cell id breaks over lines rather than losing its end
+        table.add_column(by_key[key].header, justify=by_key[key].justify, overflow="fold")
+    for row in grid.rows:
+        table.add_row(*[_text(row.cells.get(key)) for key in keys])
+    return table
+
+
+def _text(cell: Cell | None) -> Text:
+    return cell if isinstance(cell, Text) else Text(cell or "")  # a str is never read as markup
+
+
+def _natural_width(console: Console, grid: Grid, keys: Sequence[str]) -> int:
+    """How wide the table of ``keys`` is with no cell wrapped."""
+    return console.measure(rich_table(grid, keys), options=console.options.update_width(_UNBOUNDED)).maximum
+
+
+def fit_columns(grid: Grid, console: Console, view: View = View()) -> tuple[list[str], list[str]]:
+    """The keys of the columns to draw, and of those left out for want of width.
+
+    ``view.columns``: the row's identity and those, in the order given (empty or not).
+    ``view.wide``: every filled column. Otherwise the ``always`` columns, then each other
+    filled column, by priority, that still fits ``console.width`` (a wide one left out
+    does not stop a narrower one after it). Columns no row fills are left out, not "hidden".
+    """
+    identity = grid.columns[0].key
+    if view.columns:
+        return [identity] + [k for k in view.columns if k != identity], []
+    filled = filled_columns(grid)
+    if view.wide:
+        return filled, []
+    always = {c.key for c in grid.columns if c.always}
+    shown = [k for k in filled if k in always]
+    hidden = []
+    for key in filled:
+        if key in always:
+            continue
+        candidate = [k for k in filled if k in shown or k == key]  # drawn in priority order
+        if _natural_width(console, grid, candidate) <= console.width:
+            shown = candidate
+        else:
+            hidden.append(key)
+    return shown, hidden
+
+
+def print_grid(grid: Grid, console: Console, view: View = View()) -> None:
+    """The grid's table as :func:`fit_columns` says, and a footer naming the columns left out."""
+    shown, hidden = fit_columns(grid, console, view)
+    table = rich_table(grid, shown)
+    if view.wide:  # every column at its natural width: wider than a terminal, its lines wrap (`less -S` scrolls)
+        width = console.width
+        console.width = max(width, _natural_width(console, grid, shown))
+        try:
+            console.print(table)
+        finally:
+            console.width = width
+    else:
+        console.print(table)
+    if hidden:
+        console.print(Text(f"hidden: {', '.join(hidden)} — --wide shows all, --columns picks", style="dim"))
+
+
+# -- HTML ---------------------------------------------------------------------------------------
+
+#: Renders rich Text into styled segments for HTML (never printed).
+_HTML_CONSOLE = Console(file=io.StringIO(), width=_UNBOUNDED, color_system="truecolor")
+
+
+def _html_cell(cell: Cell | None) -> str:
+    out = []
+    for segment in _text(cell).render(_HTML_CONSOLE, end=""):
+        body = html.escape(segment.text).replace("\n", "<br>")
+        css = segment.style.get_html_style() if segment.style else ""
+        out.append(f'<span style="{css}">{body}</span>' if css else body)
+    return "".join(out)
+
+
+def html_table(grid: Grid) -> str:
+    """Every filled column of the grid as an HTML ``<table class="sortable">``: each cell
+    carries its sort value (``data-sort``) where it has one; :data:`SORT_SCRIPT` sorts it."""
+    by_key = {c.key: c for c in grid.columns}
+    keys = filled_columns(grid)
+    title = grid.title.plain if isinstance(grid.title, Text) else grid.title
+    caption = "; ".join(([grid.caption] if grid.caption else []) + [grid.notes[k] for k in keys if k in grid.notes])
+    parts = ['<table class="sortable">']
+    if title:
+        parts.append(f"<caption>{html.escape(title)}</caption>")
+    parts.append("<thead><tr>" + "".join(
+        f'<th class="{by_key[k].justify}" title="click to sort">{html.escape(by_key[k].header).replace(chr(10), "<br>")}</th>'
+        for k in keys) + "</tr></thead><tbody>")
+    for row in grid.rows:
+        cells = []
+        for k in keys:
+            value = row.sort.get(k)
+            sort = "" if value is None else f' data-sort="{html.escape(str(value))}"'
+            cells.append(f'<td class="{by_key[k].justify}"{sort}>{_html_cell(row.cells.get(k))}</td>')
+        parts.append("<tr>" + "".join(cells) + "</tr>")
+    parts.append("</tbody></table>")
+    if caption:
+        parts.append(f'<p class="meta">{html.escape(caption)}</p>')
+    return "".join(parts)
+
+
+#: Click a header to sort its table by that column; again to reverse. Numbers (``data-sort``
+#: or a numeric text) numerically, the rest as text; empty cells last either way.
+SORT_SCRIPT = """
+for (const th of document.querySelectorAll("table.sortable th")) {
+  th.addEventListener("click", () => {
+    const table = th.closest("table"), body = table.tBodies[0], i = th.cellIndex;
+    const ascending = th.getAttribute("aria-sort") !== "ascending";
+    for (const other of th.parentNode.cells) other.removeAttribute("aria-sort");
+    th.setAttribute("aria-sort", ascending ? "ascending" : "descending");
+    const value = row => {
+      const cell = row.cells[i], text = cell.dataset.sort ?? cell.textContent.trim();
+      return text === "" || text === "-" ? null : isNaN(text) ? text : Number(text);
+    };
+    const rows = [...body.rows].sort((a, b) => {
+      const x = value(a), y = value(b);
+      if (x === null || y === null) return (x === null) - (y === null);
+      const order = typeof x === "number" && typeof y === "number" ? x - y
+        : String(x).localeCompare(String(y), undefined, {numeric: true});
+      return ascending ? order : -order;
+    });
+    body.append(...rows);
+  });
+}
+"""
