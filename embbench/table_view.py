@@ -80,7 +80,6 @@ def column_names(valid: Sequence[str]):
             raise argparse.ArgumentTypeError(f"{what}; valid: {', '.join(valid)}")
         return names
 
-    parse.__name__ = "column names"
     return parse
 
 
