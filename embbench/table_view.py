@@ -20,13 +20,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Column", "Grid", "Row", "View", "column_names", "filled_columns", "fit_columns", "html_table",
+__all__ = ["FOLDED_IDENTITY", "Column", "Fit", "Grid", "Row", "View", "column_names", "filled_columns", "fit_columns", "html_table",
            "print_grid", "rich_table"]
 
 Cell = Union[str, Text]
 
 #: Wide enough to measure any table at its natural width (no cell wrapped).
 _UNBOUNDED = 100_000
+#: Where a row's identity (a long cell id) folds onto more lines when that makes room for
+#: more columns (``strategy[param=...,param=...]@wN`` ids run to 50 characters and more).
+FOLDED_IDENTITY = 32
 
 
 @dataclass(frozen=True)
@@ -93,14 +96,16 @@ def filled_columns(grid: Grid) -> list[str]:
     return [c.key for c in grid.columns if any(not _blank(row.cells.get(c.key)) for row in grid.rows)]
 
 
-def rich_table(grid: Grid, keys: Sequence[str]) -> Table:
-    """The grid with the columns ``keys`` (in that order) as a rich Table."""
+def rich_table(grid: Grid, keys: Sequence[str], identity_width: int | None = None) -> Table:
+    """The grid with the columns ``keys`` (in that order) as a rich Table; the row's identity
+    at most ``identity_width`` wide (None: as wide as it is)."""
     by_key = {c.key: c for c in grid.columns}
     caption = "; ".join(([grid.caption] if grid.caption else []) + [grid.notes[k] for k in keys if k in grid.notes])
     table = Table(title=grid.title, header_style="bold", caption=caption or None)
     for key in keys:
         # fold, not crop: on a narrow terminal a long cell id breaks over lines rather than losing its end
-        table.add_column(by_key[key].header, justify=by_key[key].justify, overflow="fold")
+        table.add_column(by_key[key].header, justify=by_key[key].justify, overflow="fold",
+                         max_width=identity_width if key == grid.columns[0].key else None)
     for row in grid.rows:
         table.add_row(*[_text(row.cells.get(key)) for key in keys])
     return table
@@ -110,54 +115,75 @@ def _text(cell: Cell | None) -> Text:
     return cell if isinstance(cell, Text) else Text(cell or "")  # a str is never read as markup
 
 
-def _natural_width(console: Console, grid: Grid, keys: Sequence[str]) -> int:
-    """How wide the table of ``keys`` is with no cell wrapped."""
-    return console.measure(rich_table(grid, keys), options=console.options.update_width(_UNBOUNDED)).maximum
+def _natural_width(console: Console, grid: Grid, keys: Sequence[str], identity_width: int | None = None) -> int:
+    """How wide the table of ``keys`` is with no cell wrapped (but the identity, past ``identity_width``)."""
+    table = rich_table(grid, keys, identity_width)
+    return console.measure(table, options=console.options.update_width(_UNBOUNDED)).maximum
 
 
-def fit_columns(grid: Grid, console: Console, view: View = View()) -> tuple[list[str], list[str]]:
-    """The keys of the columns to draw, and of those left out for want of width.
+@dataclass
+class Fit:
+    """The keys of the columns to draw, of those left out for want of width, and the width
+    the row's identity folds at (None: it does not)."""
+
+    shown: list[str]
+    hidden: list[str] = field(default_factory=list)
+    identity_width: int | None = None
+
+
+def fit_columns(grid: Grid, console: Console, view: View = View()) -> Fit:
+    """Which columns to draw.
 
     ``view.columns``: the row's identity and those, in the order given (empty or not).
     ``view.wide``: every filled column. Otherwise the ``always`` columns, then each other
     filled column, by priority, that still fits ``console.width`` (a wide one left out
-    does not stop a narrower one after it). Columns no row fills are left out, not "hidden".
+    does not stop a narrower one after it); where that leaves some out, long row ids fold
+    at :data:`FOLDED_IDENTITY` if that brings in the first of them. Columns no row fills
+    are left out, not "hidden".
     """
     identity = grid.columns[0].key
     if view.columns:
-        return [identity] + [k for k in view.columns if k != identity], []
+        return Fit([identity] + [k for k in view.columns if k != identity])
     filled = filled_columns(grid)
     if view.wide:
-        return filled, []
+        return Fit(filled)
+    fit = _by_priority(grid, console, filled, None)
+    if fit.hidden:
+        folded = _by_priority(grid, console, filled, FOLDED_IDENTITY)
+        if fit.hidden[0] in folded.shown:
+            return folded
+    return fit
+
+
+def _by_priority(grid: Grid, console: Console, filled: list[str], identity_width: int | None) -> Fit:
     always = {c.key for c in grid.columns if c.always}
-    shown = [k for k in filled if k in always]
-    hidden = []
+    fit = Fit([k for k in filled if k in always], [], identity_width)
     for key in filled:
         if key in always:
             continue
-        candidate = [k for k in filled if k in shown or k == key]  # drawn in priority order
-        if _natural_width(console, grid, candidate) <= console.width:
-            shown = candidate
+        candidate = [k for k in filled if k in fit.shown or k == key]  # drawn in priority order
+        if _natural_width(console, grid, candidate, identity_width) <= console.width:
+            fit.shown = candidate
         else:
-            hidden.append(key)
-    return shown, hidden
+            fit.hidden.append(key)
+    return fit
 
 
 def print_grid(grid: Grid, console: Console, view: View = View()) -> None:
     """The grid's table as :func:`fit_columns` says, and a footer naming the columns left out."""
-    shown, hidden = fit_columns(grid, console, view)
-    table = rich_table(grid, shown)
+    fit = fit_columns(grid, console, view)
+    table = rich_table(grid, fit.shown, fit.identity_width)
     if view.wide:  # every column at its natural width: wider than a terminal, its lines wrap (`less -S` scrolls)
         width = console.width
-        console.width = max(width, _natural_width(console, grid, shown))
+        console.width = max(width, _natural_width(console, grid, fit.shown))
         try:
             console.print(table)
         finally:
             console.width = width
     else:
         console.print(table)
-    if hidden:
-        console.print(Text(f"hidden: {', '.join(hidden)} — --wide shows all, --columns picks", style="dim"))
+    if fit.hidden:
+        console.print(Text(f"hidden: {', '.join(fit.hidden)} — --wide shows all, --columns picks", style="dim"))
 
 
 # -- HTML ---------------------------------------------------------------------------------------

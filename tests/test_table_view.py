@@ -80,6 +80,26 @@ def test_the_table_fits_the_width_keeps_the_headline_and_names_exactly_the_hidde
         assert "device_mib" not in hidden and "hit_rate" not in hidden
 
 
+def _cell_ids(text: str) -> list[str]:
+    """The first column, a row's lines joined (a long id folds onto several)."""
+    ids: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("│"):
+            _, cell, status, *_ = line.split("│")
+            if status.strip():
+                ids.append("")
+            ids[-1] += cell.strip()
+    return ids
+
+
+def test_long_cell_ids_fold_whole_when_that_makes_room_for_the_next_column():
+    records = _seed_like()
+    text = _printed(120, records)  # the ids run to 50 characters: unfolded, no memory column would fit
+    assert HEADER["device_mib"] in _header(text)
+    assert _cell_ids(text) == [r.cell_id for r in sorted(records, key=lambda r: r.strategy != "device")]
+    assert max(map(len, text.splitlines())) <= 120
+
+
 def test_the_wider_the_terminal_the_fewer_columns_hidden():
     hidden = [len(_footer(_printed(width, _seed_like()))) for width in (80, 120, 200)]
     assert hidden[0] > hidden[1] > hidden[2]
