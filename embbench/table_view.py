@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["FOLDED_IDENTITY", "Column", "Fit", "Grid", "Row", "View", "column_names", "filled_columns", "fit_columns", "html_table",
-           "print_grid", "rich_table"]
+__all__ = ["FOLDED_IDENTITY", "SORT_SCRIPT", "Column", "Fit", "Grid", "Row", "View", "column_names", "filled_columns",
+           "fit_columns", "html_table", "print_grid", "rich_table"]
 
 Cell = Union[str, Text]
 
@@ -96,11 +96,15 @@ def filled_columns(grid: Grid) -> list[str]:
     return [c.key for c in grid.columns if any(not _blank(row.cells.get(c.key)) for row in grid.rows)]
 
 
+def _caption(grid: Grid, keys: Sequence[str]) -> str:
+    return "; ".join(([grid.caption] if grid.caption else []) + [grid.notes[k] for k in keys if k in grid.notes])
+
+
 def rich_table(grid: Grid, keys: Sequence[str], identity_width: int | None = None) -> Table:
     """The grid with the columns ``keys`` (in that order) as a rich Table; the row's identity
     at most ``identity_width`` wide (None: as wide as it is)."""
     by_key = {c.key: c for c in grid.columns}
-    caption = "; ".join(([grid.caption] if grid.caption else []) + [grid.notes[k] for k in keys if k in grid.notes])
+    caption = _caption(grid, keys)
     table = Table(title=grid.title, header_style="bold", caption=caption or None)
     for key in keys:
         # fold, not crop: on a narrow terminal a long cell id breaks over lines rather than losing its end
@@ -207,7 +211,7 @@ def html_table(grid: Grid) -> str:
     by_key = {c.key: c for c in grid.columns}
     keys = filled_columns(grid)
     title = grid.title.plain if isinstance(grid.title, Text) else grid.title
-    caption = "; ".join(([grid.caption] if grid.caption else []) + [grid.notes[k] for k in keys if k in grid.notes])
+    caption = _caption(grid, keys)
     parts = ['<table class="sortable">']
     if title:
         parts.append(f"<caption>{html.escape(title)}</caption>")
