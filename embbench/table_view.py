@@ -215,9 +215,8 @@ def html_table(grid: Grid) -> str:
     parts = ['<table class="sortable">']
     if title:
         parts.append(f"<caption>{html.escape(title)}</caption>")
-    parts.append("<thead><tr>" + "".join(
-        f'<th class="{by_key[k].justify}" title="click to sort">{html.escape(by_key[k].header).replace(chr(10), "<br>")}</th>'
-        for k in keys) + "</tr></thead><tbody>")
+    headers = [f'<th class="{by_key[k].justify}" title="click to sort">{_html_cell(by_key[k].header)}</th>' for k in keys]
+    parts.append("<thead><tr>" + "".join(headers) + "</tr></thead><tbody>")
     for row in grid.rows:
         cells = []
         for k in keys:

@@ -145,14 +145,15 @@ def test_the_report_in_a_browser_shows_every_plot_and_a_table_that_sorts(report,
 
     browser.get(report.resolve().as_uri())
     # every plot decoded and laid out with a size
-    images = browser.execute_script("return [...document.images].map(i => [i.complete, i.naturalWidth, "
-                                    "i.naturalHeight, i.getBoundingClientRect().width, i.getBoundingClientRect().height])")
+    images = browser.execute_script("return [...document.images].map(i => [i.complete, i.naturalWidth, i.naturalHeight, "
+                                    "i.getBoundingClientRect().width, i.getBoundingClientRect().height])")
     assert len(images) == 6 and all(done and all(size > 0 for size in sizes) for done, *sizes in images), images
     # the first run's results: a row per cell, shown
     table = browser.find_elements(By.CSS_SELECTOR, "table.sortable")[0]
     assert table.is_displayed() and table.size["width"] > 0 and table.size["height"] > 0
     records = _records()
-    by_rate = [r.cell_id for r in sorted((r for r in records if r.metrics), key=lambda r: r.metrics["throughput"]["mean"])]
+    measured = sorted((r for r in records if r.metrics), key=lambda r: r.metrics["throughput"]["mean"])
+    by_rate = [r.cell_id for r in measured]
     assert sorted(_first_column(browser, table)) == sorted(r.cell_id for r in records)
     # a click on a header sorts by it, a second reverses; cells without a number stay last
     header = next(th for th in table.find_elements(By.TAG_NAME, "th") if th.text.startswith("samples/s"))

@@ -172,9 +172,11 @@ def test_columns_and_wide_are_not_for_the_csv_or_json_export(tmp_path, capsys, m
 
 def _compared(width: int, **view) -> str:
     before = _seed_like()
-    after = [r.model_copy(update={"metrics": {**r.metrics, "step_time_s": {**r.metrics["step_time_s"],
-                                                                           "median": r.metrics["step_time_s"]["median"] * 1.1}}})
-             if r.metrics else r for r in before]
+    def slower(r):
+        step = r.metrics["step_time_s"]
+        return r.model_copy(update={"metrics": {**r.metrics, "step_time_s": {**step, "median": step["median"] * 1.1}}})
+
+    after = [slower(r) if r.metrics else r for r in before]
     console = Console(width=width, record=True, file=io.StringIO())
     print_deltas(compare_records(before, after), "A", "B", "a test", console, View(**view))
     return console.export_text()
@@ -198,8 +200,8 @@ def test_run_prints_a_table_that_fits_columns_and_a_footer(tmp_path):
     """The newcomer's first command, its output piped: COLUMNS is honoured."""
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(tiny_scenario(strategies=[{"name": "device"}])))
-    proc = subprocess.run([sys.executable, "-m", "embbench.cli", "run", str(scenario), "--steps", "3", "--out", str(tmp_path / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "80"})
+    command = [sys.executable, "-m", "embbench.cli", "run", str(scenario), "--steps", "3", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "80"})
     assert proc.returncode == 0, proc.stderr
     assert max(map(len, proc.stdout.splitlines())) <= 80
     assert "samples/s" in proc.stdout and "speedup" in proc.stdout and _footer(proc.stdout)
