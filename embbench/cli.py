@@ -25,14 +25,16 @@ from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks,
                              run_cells_in_job)
 from embbench.optional import MissingDependency, require
 from embbench.progress import RunProgress
-from embbench.report import print_comparison, profile_tables
+from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
 from embbench.results import RecordError, load_records
 from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
+from embbench.table_view import View, column_names
 
-# Logs and CI are not terminals: give tables room rather than wrapping every cell.
-console = Console(width=None if sys.stdout.isatty() else 240)
+# Tables fit the terminal's width (COLUMNS where set; see embbench/table_view.py). Logs and CI
+# are not terminals: there, without COLUMNS, tables get room for most of their columns.
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 240)
 
 
 def _dry_run(scenario, cells) -> None:
@@ -107,12 +109,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
         return 130
     except RecordsNotWritten as e:
-        print_comparison(e.records, console, title=scenario.name)
+        print_comparison(e.records, console, title=scenario.name, view=_view(args))
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not records:
         return 0  # a torchrun rank other than 0: rank 0 prints
-    print_comparison(records, console, title=scenario.name)
+    print_comparison(records, console, title=scenario.name, view=_view(args))
     if args.profile:
         for table in profile_tables(records):
             console.print(table)
@@ -320,7 +322,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             writer.writeheader()
             writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()} for row in rows)
         return 0
-    print_comparison(records, console, title=str(args.results))
+    print_comparison(records, console, title=str(args.results), view=_view(args))
     for table in profile_tables(records):
         console.print(table)
     return 0
@@ -361,7 +363,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures), indent=2))
     else:
         for run, cells in pairs:
-            print_deltas(cells, runs[0].label, run.label, TEST, console)
+            print_deltas(cells, runs[0].label, run.label, TEST, console, _view(args))
         if threshold is not None:
             verdict = "\n".join(f"  {why}" for why in failures)
             console.print(f"[red]regression beyond {args.fail_on}:[/red]\n{escape(verdict)}" if failures
@@ -404,6 +406,20 @@ def cmd_project(args: argparse.Namespace) -> int:
                           row["link"], f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
     console.print(table)
     return 0
+
+
+def _add_view_flags(parser, columns, group=None) -> None:
+    """``--columns a,b,c`` and ``--wide``: which of a table's ``columns`` are shown (by
+    default, as many as fit the terminal, the others named under the table)."""
+    group = group or parser.add_mutually_exclusive_group()
+    names = [c.key for c in columns]
+    group.add_argument("--columns", type=column_names(names), metavar="A,B,...",
+                       help=f"show these columns of the table (after the cell id): {', '.join(names)}")
+    group.add_argument("--wide", action="store_true", help="show every column, however wide the table gets")
+
+
+def _view(args: argparse.Namespace) -> View:
+    return View(args.columns, args.wide)
 
 
 def _positive(kind: type, zero: bool = False):
@@ -489,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", action="store_true",
                      help="a torch.profiler Chrome trace per cell (untimed extra steps) in <run dir>/profiles/, "
                           "top operators in the record")
+    _add_view_flags(run, RESULT_COLUMNS)
     run.set_defaults(func=cmd_run)
     _add_data_commands(sub)
     strategies = sub.add_parser("strategies", help="list installed strategies, their parameters, and whether they run here")
@@ -498,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = show.add_mutually_exclusive_group()
     export.add_argument("--csv", action="store_true", help="one row per cell, flat columns, for spreadsheets")
     export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")
+    _add_view_flags(show, RESULT_COLUMNS, export)
     show.set_defaults(func=cmd_show)
     rec = sub.add_parser("recommend", help="the fastest measured placement that fits a memory budget, and why not the others")
     rec.add_argument("run", help="a run directory")
@@ -510,7 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
     comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")
     comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput drops significantly by more than PCT (e.g. 5%%) or a cell fails")
-    comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    comp_output = comp.add_mutually_exclusive_group()
+    comp_output.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    _add_view_flags(comp, DELTA_COLUMNS, comp_output)
     comp.set_defaults(func=cmd_compare)
     rep = sub.add_parser("report", help="one self-contained HTML file: the tables and plots of one or more runs")
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories; with several, the first is the baseline of the comparison")

@@ -1,7 +1,8 @@
 """``embbench report``: one self-contained HTML file with the tables and the plots of runs.
 
-Everything is inside the file (the tables as rich renders them, the plots as base64 PNG),
-so it can be mailed, attached to a CI job or committed beside the results. Plots
+Everything is inside the file (the tables as HTML tables, sorted by a click on a header with
+a few lines of inline script; the plots as base64 PNG), so it can be mailed, attached to a
+CI job or committed beside the results. A section with nothing to show is left out. Plots
 (matplotlib, Agg backend): throughput against device memory with the Pareto front, hit
 rate against Belady's bound by cache ratio, step-time distributions, per-rank bars of
 multi-rank cells, and the top profiled operators where a run was profiled.
@@ -21,6 +22,7 @@ from rich.console import Console
 from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
+from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
 
@@ -191,15 +193,24 @@ _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #222; background: #fff; }
 h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 pre.rich { font-size: 11px; line-height: 1.25; background: #fff; overflow-x: auto; }
+.scroll { overflow-x: auto; }
+table.sortable { border-collapse: collapse; font-size: 12px; margin: 8px 0; }
+table.sortable caption { font-weight: bold; text-align: left; padding: 4px 0; }
+table.sortable th, table.sortable td { border: 1px solid #ddd; padding: 3px 6px; vertical-align: top; }
+table.sortable th { background: #f4f4f4; cursor: pointer; user-select: none; }
+table.sortable th[aria-sort=ascending]::after { content: " \\25B2"; }
+table.sortable th[aria-sort=descending]::after { content: " \\25BC"; }
+table.sortable tbody tr:nth-child(even) { background: #fafafa; }
+.right { text-align: right; } .left { text-align: left; } td.right, td.left { white-space: nowrap; }
 img { max-width: 100%; margin: 8px 0; border: 1px solid #eee; }
-.meta { color: #555; font-size: 13px; } .none { color: #777; font-style: italic; }
+.meta { color: #555; font-size: 13px; }
 """
 
 
 def render_report(runs: list[Run]) -> str:
     """The report of one or more runs as one HTML document (the first run is the baseline
     of the comparison)."""
-    from embbench.report import comparison_table, delta_table
+    from embbench.report import comparison_grid, delta_grid
 
     _pyplot()  # without matplotlib, fail before any work
     parts = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>embbench report</title>",
@@ -212,12 +223,12 @@ def render_report(runs: list[Run]) -> str:
                      f"{html.escape(str(p.get('date')))}, {html.escape(str(get(p, 'devices', 'cpu')))}, "
                      f"GPUs: {html.escape(', '.join(gpu_names(p)) or 'none')}, {len(run.records)} cells</p>")
     parts.append("<h2>Results</h2>")
-    parts.append(_rich_html([comparison_table(run.records, title=run.label) for run in runs]))
+    parts += [_scrolling(html_table(comparison_grid(run.records, title=run.label))) for run in runs]
     if len(runs) > 1:
         parts.append(f"<h2>Comparison against {html.escape(runs[0].label)}</h2>")
         parts.append(f"<p class=\"meta\">significance: {html.escape(TEST)}, alpha {ALPHA}</p>")
-        parts.append(_rich_html([delta_table(cells, TEST, title=f"{run.label} against {runs[0].label}")
-                                 for run, cells in compare_runs(runs)]))
+        parts += [_scrolling(html_table(delta_grid(cells, TEST, title=f"{run.label} against {runs[0].label}")))
+                  for run, cells in compare_runs(runs)]
     sections = [
         ("Throughput against device memory", [plot_pareto(run, strategy_colours(runs)) for run in runs]),
         ("Hit rate against Belady's bound", [plot_hit_rates(runs)]),
@@ -226,13 +237,18 @@ def render_report(runs: list[Run]) -> str:
     ]
     for title, images in sections:
         images = [i for i in images if i]
-        parts.append(f"<h2>{html.escape(title)}</h2>")
-        parts.append("".join(images) if images else "<p class=\"none\">nothing to plot: no cell of these runs records it</p>")
+        if images:  # no heading over nothing (per rank on one-rank runs, hit rates without caches)
+            parts.append(f"<h2>{html.escape(title)}</h2>" + "".join(images))
     profiles = "".join(_profile_html(run) for run in runs)
     if profiles:
         parts.append("<h2>Top operators (profiled cells)</h2>" + profiles)
-    parts.append("</body></html>")
+    parts.append(f"<script>{SORT_SCRIPT}</script></body></html>")
     return "\n".join(parts)
+
+
+def _scrolling(table: str) -> str:
+    """A table that scrolls sideways on its own when the window is narrower (not the page)."""
+    return f'<div class="scroll">{table}</div>'
 
 
 def check_writable(out: Path) -> None:

@@ -8,12 +8,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from embbench.columns import device_need_bytes
 from embbench.compare import METRICS, CellComparison, Delta, Significance
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
+from embbench.table_view import Column, Grid, Row, View, print_grid
 
-__all__ = ["comparison_table", "delta_table", "print_comparison", "print_deltas", "print_recommendations",
-           "profile_tables"]
+__all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
+           "print_recommendations", "profile_tables"]
 
 _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
@@ -50,8 +52,36 @@ def _hit_rates(hit, bound, unique_hit, unique_bound) -> str:
     return text
 
 
-def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
-    m = r.metrics or {}
+#: The results table's columns, most important first: a narrow terminal keeps the first ones.
+RESULT_COLUMNS = [
+    Column("cell", "cell", always=True, justify="left"),
+    Column("status", "status", always=True, justify="left"),
+    Column("throughput", "samples/s\n(95% CI)", always=True),
+    Column("step_ms", "step ms\nmedian / p95", always=True),
+    Column("speedup", "speedup", always=True),
+    Column("device_mib", "device MiB\nstatic / peak"),
+    Column("hit_rate", "hit rate\n(bound)"),
+    Column("host_mib", "host MiB"),
+    Column("auc", "AUC"),
+    Column("comm", "comm\nMiB/step"),
+    Column("h2d_d2h", "H2D / D2H\nMiB/step"),
+    Column("logloss", "logloss"),
+    Column("max_dw", "max |Δw|"),
+    Column("order", "order"),
+    Column("ops_syncs", "ops / syncs\nper step"),
+    Column("bookkeeping", "bookkeeping\nper step"),
+    Column("ranks", "ranks"),  # also in the cell id (@wN)
+]
+
+
+def _row(r: Record, baseline_rate: dict[int, float]) -> Row:
+    """A cell's numbers as text, and the raw numbers the HTML table sorts by."""
+    row = Row({"cell": Text(r.cell_id), "status": Text(r.status, style=_STATUS_STYLE.get(r.status, "")),
+               "ranks": str(r.world_size)},
+              {"cell": r.cell_id, "status": r.status, "ranks": r.world_size})
+    if r.status != "ok" or not r.metrics:
+        return row
+    m = r.metrics
     step = m["step_time_s"]
     ci = m["throughput"]["ci95"]
     rate = m["throughput"]["mean"]
@@ -65,63 +95,58 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     ops, syncs = m.get("ops_per_step"), m.get("host_syncs_per_step")
     bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
-    return {
-        "ranks": str(r.world_size),
-        "step ms\nmedian / p95": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
-        "samples/s\n(95% CI)": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else
-                                                  " (no CI: no scipy)" if m["throughput"].get("ci95_missing") else ""),
+    host = mem["static_host_bytes"] + mem["pinned_bytes"]
+    row.cells.update({
+        "step_ms": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
+        "throughput": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else
+                                        " (no CI: no scipy)" if m["throughput"].get("ci95_missing") else ""),
         "speedup": f"{rate / base:.2f}x" if base else "-",
-        "hit rate\n(bound)": _hit_rates(hit, bound, unique_hit, _get(m, "extra", "belady_unique_hit_rate")),
-        "H2D / D2H\nMiB/step": "" if not moved else
+        "hit_rate": _hit_rates(hit, bound, unique_hit, _get(m, "extra", "belady_unique_hit_rate")),
+        "h2d_d2h": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
-        "comm\nMiB/step": f"{per_step['bytes_comm'] / 2**20:,.2f}" if per_step.get("bytes_comm") else "",
-        "device MiB\nstatic / peak": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
-        "host MiB": _mib(mem["static_host_bytes"] + mem["pinned_bytes"]),
-        "AUC": "-" if auc is None else f"{auc:.4f}",
+        "comm": f"{per_step['bytes_comm'] / 2**20:,.2f}" if per_step.get("bytes_comm") else "",
+        "device_mib": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
+        "host_mib": _mib(host),
+        "auc": "-" if auc is None else f"{auc:.4f}",
         "logloss": "-" if logloss is None else f"{logloss:.4f}",
-        "max |Δw|": "" if diff is None else f"{diff:.1e}",
-        "ops / syncs\nper step": "" if ops is None else f"{ops:,.0f}" + ("" if syncs is None else f" / {syncs:,.1f}"),
-        "bookkeeping\nper step": bookkeeping,
+        "max_dw": "" if diff is None else f"{diff:.1e}",
+        "ops_syncs": "" if ops is None else f"{ops:,.0f}" + ("" if syncs is None else f" / {syncs:,.1f}"),
+        "bookkeeping": bookkeeping,
         "order": "" if r.semantics == "exact" else r.semantics,
-    }
+    })
+    row.sort.update({
+        "step_ms": step["median"], "throughput": rate, "speedup": rate / base if base else None,
+        "hit_rate": hit if hit is not None else unique_hit, "h2d_d2h": moved or None,
+        "comm": per_step.get("bytes_comm"), "device_mib": device_need_bytes(mem), "host_mib": host,
+        "auc": auc, "logloss": logloss, "max_dw": diff, "ops_syncs": ops,
+    })
+    return row
 
 
-def comparison_table(records: list[Record], title: str | None = None) -> Table:
-    """One row per cell: speed against the baseline, memory, accuracy, cache counters.
-
-    Columns that no record fills (a hit rate without caches, say) are left out.
-    """
+def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
+    """One row per cell: speed against the baseline, memory, accuracy, cache counters."""
     baseline_name = records[0].baseline if records else None
     records = sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
     baseline_rate = {
         r.world_size: r.metrics["throughput"]["mean"]
         for r in records if r.strategy == baseline_name and r.status == "ok"
     }
-    rows = [(r, _row(r, baseline_rate) if r.status == "ok" and r.metrics else None) for r in records]
-    measured = [row for _, row in rows if row]
-    columns = [c for c in (measured[0] if measured else {}) if any(row[c] for row in measured)]
-    table = Table(title=title, header_style="bold",
-                  caption=f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
-                          "where only that is counted), Belady's bound in brackets (uniq: per distinct row of each "
-                          "batch); device MiB: the largest rank; "
-                          "comm: bytes all ranks send to each other; ops: ATen operators per step, syncs: host waits (CUDA); "
-                          "max |Δw| only where the training order is the baseline's")
-    table.add_column("cell", no_wrap=True)
-    table.add_column("status")
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r, row in rows:
-        status = Text(r.status, style=_STATUS_STYLE.get(r.status, ""))
-        if row is None:
-            table.add_row(Text(r.cell_id), status, *[""] * len(columns))
-        else:
-            table.add_row(Text(r.cell_id), status, *[row[c] for c in columns])
-    return table
+    notes = {
+        "speedup": f"speedup against {baseline_name} at the same ranks",
+        "hit_rate": "hit rate per access (per distinct row where only that is counted), Belady's bound in brackets "
+                    "(uniq: per distinct row of each batch)",
+        "device_mib": "device MiB: the largest rank",
+        "comm": "comm: bytes all ranks send to each other",
+        "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
+        "max_dw": "max |Δw| only where the training order is the baseline's",
+    }
+    return Grid(RESULT_COLUMNS, [_row(r, baseline_rate) for r in records], title=title, notes=notes)
 
 
-def print_comparison(records: list[Record], console: Console | None = None, title: str | None = None) -> None:
+def print_comparison(records: list[Record], console: Console | None = None, title: str | None = None,
+                     view: View = View()) -> None:
     console = console or Console()
-    console.print(comparison_table(records, title))
+    print_grid(comparison_grid(records, title), console, view)
     for r in records:  # why a cell has no numbers
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
@@ -158,28 +183,43 @@ def _status_change(cell: CellComparison, before: str, after: str) -> Text:
     return Text(cell.status_after, style=_STATUS_STYLE.get(cell.status_after, ""))
 
 
-def delta_table(cells: list[CellComparison], test: str, title: str = "B against A") -> Table:
+#: The comparison's columns, most important first (as RESULT_COLUMNS); then every other
+#: metric of METRICS in its order.
+_LABEL = {m.key: m.label for m in METRICS}
+DELTA_COLUMNS = [
+    Column("cell", "cell", always=True, justify="left"),
+    Column("status", "status", always=True, justify="left"),
+    Column("throughput", _LABEL["throughput"], always=True),
+    Column("step_time", _LABEL["step_time"], always=True),
+    Column("significant", "significant", always=True),
+    *[Column(m.key, m.label) for m in METRICS if m.key not in ("throughput", "step_time")],
+]
+
+
+def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A") -> Grid:
     """One row per cell id: run B (the candidate) against run A (the baseline), signed
     relative deltas coloured green where better and red where worse."""
-    table = Table(title=Text(title, style="bold"), header_style="bold",
-                  caption=f"relative change of the candidate; green better, red worse; significant: {test}")
-    table.add_column("cell", no_wrap=True)
-    table.add_column("status")
-    for metric in METRICS:
-        table.add_column(metric.label, justify="right")
-    table.add_column("significant", justify="right")
+    rows = []
     for cell in cells:
-        numbers = [_delta_text(cell.deltas.get(m.key), ",.0f" if m.key == "throughput" else None) for m in METRICS] \
-            if cell.deltas else [Text("")] * len(METRICS)
-        table.add_row(Text(cell.cell_id), _status_change(cell, "A", "B"), *numbers,
-                      _significance_text(cell.significance) if cell.deltas else Text(""))
-    return table
+        row = Row({"cell": Text(cell.cell_id), "status": _status_change(cell, "A", "B")},
+                  {"cell": cell.cell_id})
+        if cell.deltas:
+            for m in METRICS:
+                delta = cell.deltas.get(m.key)
+                row.cells[m.key] = _delta_text(delta, ",.0f" if m.key == "throughput" else None)
+                row.sort[m.key] = delta.relative if delta else None
+            row.cells["significant"] = _significance_text(cell.significance)
+            row.sort["significant"] = cell.significance.p_value if cell.significance else None
+        rows.append(row)
+    return Grid(DELTA_COLUMNS, rows, title=Text(title, style="bold"),
+                caption=f"relative change of the candidate; green better, red worse; significant: {test}")
 
 
-def print_deltas(cells: list[CellComparison], before: str, after: str, test: str, console: Console) -> None:
+def print_deltas(cells: list[CellComparison], before: str, after: str, test: str, console: Console,
+                 view: View = View()) -> None:
     """The delta table, then why cells are not comparable (each distinct reason once)."""
     console.print(Text(f"A = {before}\nB = {after}"))
-    console.print(delta_table(cells, test))
+    print_grid(delta_grid(cells, test), console, view)
     reasons: dict[str, list[str]] = {}
     for cell in cells:
         if cell.differences:

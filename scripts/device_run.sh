@@ -14,5 +14,5 @@ archive() { tar -C /tmp/runs --exclude=weights -czf "$OUT/$name.tgz" "$name" 2>/
 ( while sleep 15; do archive; done ) & ticker=$!
 python3 -m embbench.cli run "$@" --out /tmp/runs/$name --resume 2>&1 | grep -v -e 'Could not load' -e '^\s*$' > /tmp/runs/$name/console.txt
 rc=${PIPESTATUS[0]}
-python3 -m embbench.cli show /tmp/runs/$name > /tmp/runs/$name/show.txt 2>&1
+python3 -m embbench.cli show /tmp/runs/$name --wide > /tmp/runs/$name/show.txt 2>&1
 kill $ticker; archive; tail -c 3000 /tmp/runs/$name/console.txt; cat /tmp/runs/$name/show.txt; exit $rc

@@ -48,6 +48,6 @@ pip_checked --no-deps "torchrec==$release.*" 2> >(grep -v "is ignored" >&2)
 pip_checked -e "$root[test]" "torch==$torch_version" 2>&1 \
     | grep -v -e "is ignored" -e "dependency resolver does not" -e "torchrec .* requires fbgemm-gpu" >&2 || true
 
-"$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, embbench, rich, yaml, pydantic, pytest, hypothesis, pytest_benchmark" \
+"$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, embbench, rich, yaml, pydantic, pytest, hypothesis, pytest_benchmark, selenium" \
     || { echo "setup_env: the environment does not import; see the errors above" >&2; exit 1; }
 echo "$stamp" > "$stamp_file"

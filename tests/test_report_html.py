@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -51,8 +52,9 @@ def report(tmp_path):
 
 def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
     text = report.read_text()
-    # nothing fetched from elsewhere: every image is inline, no external script or sheet
-    assert not re.search(r"(src|href)=\"(?!data:)", text) and "<script" not in text
+    # nothing fetched from elsewhere: every image is inline, the one script too, no sheet
+    assert not re.search(r"(src|href)=\"(?!data:)", text) and not re.search(r"<script[^>]*src", text)
+    assert text.count("<script>") == 1
     images = re.findall(r'<img alt="" src="data:image/png;base64,[A-Za-z0-9+/=]+">', text)
     # throughput/memory per run (2), hit rates (1), step times (1), per-rank bars of the 2-rank cell per run (2)
     assert len(images) == 6
@@ -62,33 +64,110 @@ def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
     assert "freqcache[cache_ratio=0.1]@w1" in text and "Mann-Whitney U" in text and "aten::mm" in text
 
 
-def test_a_report_without_caches_or_ranks_says_there_is_nothing_to_plot(tmp_path):
+def test_a_report_without_caches_or_ranks_leaves_their_sections_out(tmp_path):
     run = write_run(tmp_path / "a", [make_record("device")])
     out = tmp_path / "r.html"
     assert main(["report", str(run), "--out", str(out)]) == 0
     text = out.read_text()
     assert text.count("<img") == 2  # throughput/memory, step times
-    assert text.count("nothing to plot") == 2 and "Comparison against" not in text
+    assert "Per rank" not in text and "Hit rate against" not in text and "Comparison against" not in text
+    assert "Throughput against device memory" in text and "Step times" in text
 
 
-def _browser() -> str | None:
-    return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+def _tables(text: str) -> list[str]:
+    return re.findall(r'<table class="sortable">.*?</table>', text, re.S)
 
 
-@pytest.mark.skipif(_browser() is None, reason="no chromium binary on PATH (apt-get install chromium)")
-def test_the_report_renders_in_headless_chromium(report, tmp_path):
+def test_the_results_are_html_tables_with_a_row_per_cell_and_sort_values(report):
+    text = report.read_text()
+    assert '<pre class="rich">' not in text.split("<h2>Top operators")[0]  # only the profiles stay rich text
+    results, _, comparison = _tables(text)  # a table per run, then B against A
+    headers = re.findall(r"<th [^>]*>(.*?)</th>", results)
+    assert headers[:5] == ["cell", "status", "samples/s<br>(95% CI)", "step ms<br>median / p95", "speedup"]
+    rows = re.findall(r"<tr>(.*?)</tr>", results.split("<tbody>")[1])
+    assert len(rows) == len(_records())
+    cells = re.findall(r'<td class="\w+"(?: data-sort="([^"]*)")?>(.*?)</td>', rows[0])
+    assert cells[0] == ("device@w1", "device@w1") and len(cells) == len(headers)
+    # the sort value is the number, not its rounded text with separators and a spread
+    sort, shown = cells[2]
+    assert float(sort) == pytest.approx(512 / 0.01) and shown.startswith("51,200")
+    assert "uvm@w1" in results and "unsupported" in results
+    assert "samples/s" in comparison and "significant" in comparison
+
+
+#: Headless Chromium as root on a machine with no network (see .ci/run).
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars", "--window-size=1200,2400"]
+
+
+def _browser_missing() -> str | None:
+    """Why the report cannot be opened in a browser here, or None."""
+    missing = [name for name in ("chromium", "chromedriver") if shutil.which(name) is None]
+    if missing:
+        return f"no {' or '.join(missing)} on PATH (as root: apt-get install chromium chromium-driver)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (scripts/setup_env.sh installs the test extra)"
+    return None
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Chromium driven by chromedriver (selenium). Without one the test is skipped, except where
+    EMBBENCH_REQUIRE_BROWSER=1 (CI: .ci/run installs the browser): there it fails."""
+    missing = _browser_missing()
+    if missing:
+        if os.environ.get("EMBBENCH_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"EMBBENCH_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={tmp_path / 'chromium-profile'}"]:
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _first_column(driver, table) -> list[str]:
+    return driver.execute_script("return [...arguments[0].tBodies[0].rows].map(r => r.cells[0].textContent)", table)
+
+
+def test_the_report_in_a_browser_shows_every_plot_and_a_table_that_sorts(report, browser):
     from PIL import Image
+    from selenium.webdriver.common.by import By
 
-    shot = tmp_path / "shot.png"
-    proc = subprocess.run([_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           "--window-size=1200,2400", f"--screenshot={shot}", report.resolve().as_uri()],
-                          capture_output=True, text=True, timeout=120)
-    assert shot.exists(), proc.stderr[-2000:]
-    pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
-    colours = np.unique(pixels, axis=0)
-    assert len(colours) > 50  # text, tables and plots, not a blank page
-    not_white = (pixels < 250).any(axis=1).mean()
-    assert 0.01 < not_white < 0.9
+    browser.get(report.resolve().as_uri())
+    # every plot decoded and laid out with a size
+    images = browser.execute_script("return [...document.images].map(i => [i.complete, i.naturalWidth, i.naturalHeight, "
+                                    "i.getBoundingClientRect().width, i.getBoundingClientRect().height])")
+    assert len(images) == 6 and all(done and all(size > 0 for size in sizes) for done, *sizes in images), images
+    # the first run's results: a row per cell, shown
+    table = browser.find_elements(By.CSS_SELECTOR, "table.sortable")[0]
+    assert table.is_displayed() and table.size["width"] > 0 and table.size["height"] > 0
+    records = _records()
+    measured = sorted((r for r in records if r.metrics), key=lambda r: r.metrics["throughput"]["mean"])
+    by_rate = [r.cell_id for r in measured]
+    assert sorted(_first_column(browser, table)) == sorted(r.cell_id for r in records)
+    # a click on a header sorts by it, a second reverses; cells without a number stay last
+    header = next(th for th in table.find_elements(By.TAG_NAME, "th") if th.text.startswith("samples/s"))
+    header.click()
+    assert _first_column(browser, table) == by_rate + ["uvm@w1"]
+    header.click()
+    assert _first_column(browser, table) == by_rate[::-1] + ["uvm@w1"]
+    # no error on the page's console (a script that threw, an image that did not load)
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    # and what a person sees is a page of text, tables and plots, not a blank one
+    pixels = np.asarray(Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")).reshape(-1, 3)
+    assert len(np.unique(pixels, axis=0)) > 50
+    assert 0.01 < (pixels < 250).any(axis=1).mean() < 0.9
 
 
 @pytest.mark.parametrize("where, message", [("missing/report.html", "no such directory"), (".", "is a directory"),
