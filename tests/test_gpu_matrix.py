@@ -33,3 +33,10 @@ def test_the_1tb_matrix_at_both_widths(dim, baseline):
     assert scenario.data.preset == "criteo_1tb_freq3" and scenario.data.embedding_dim == dim
     assert scenario.baseline == baseline and {c.strategy for c in cells} == STRATEGIES
     assert {c.params["prefetch_pipeline"] for c in cells if c.strategy == "uvm_cache"} == {False, True}
+
+
+@pytest.mark.parametrize("path", sorted(MATRIX.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_matrix_scenario_validates_and_names_its_command(path):
+    scenario, cells = load_scenario(path)
+    assert cells[0].strategy == scenario.baseline and scenario.run.device == "cuda"
+    assert f"bash scripts/gpu_matrix.sh {path.stem}" in " ".join(path.read_text().splitlines()[:2])  # its command

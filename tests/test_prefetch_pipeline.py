@@ -246,3 +246,30 @@ def test_prefetch_pipeline_trains_like_device_on_cuda(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     total = metrics["counters"]["total"]
     assert total["accesses"] == total["hits"] + total["misses"] == 8 * 64 * 26
+
+
+def test_the_pipeline_speaks_torchrecs_sharded_module_api():
+    """On torchrec's real sharded collection (the CPU's fused kernel, whose prefetch does
+    nothing): the pipelined forward gives what DistributedModelParallel's forward gives, and
+    gradients flow back through it."""
+    from baselines.torchrec_tables import GpuShardedStrategy
+    from embbench.data import TableSpec
+    from embbench.optim import EmbeddingOptimizer
+    from embbench.runner import initial_weights
+    from embbench.strategy import BuildContext
+    from tests.test_hooks import _features
+
+    tables = [TableSpec("t0", 50, 4, 1, 1.0), TableSpec("t1", 30, 4, 1, 1.0)]
+    ctx = BuildContext(tables=tables, env=CPU, optimizer=EmbeddingOptimizer(type="sgd", lr=0.1), local_batch_size=3,
+                       init_weights=lambda t, a, b: initial_weights(tables[t], t, 0, a, b), train_batches=lambda n: iter(()))
+    module = GpuShardedStrategy().build(ctx)
+    pipeline = PrefetchPipeline(module.dmp.module, torch.device("cpu"))
+    features = [_features([[[1], [2, 3], [49]], [[0], [], [29, 7]]]), _features([[[4], [4], [5]], [[1], [2], [3]]])]
+    with torch.no_grad():
+        expected = [module(f) for f in features]
+    pipeline.prefetch(features[0], features[0].to_kjt(module.keys))
+    first = module._pooled_values(pipeline.forward(features[0], features[0].to_kjt(module.keys)))
+    second = module._pooled_values(pipeline.forward(features[1], features[1].to_kjt(module.keys)))  # not prefetched
+    torch.testing.assert_close(first, expected[0])
+    torch.testing.assert_close(second, expected[1])
+    assert first.requires_grad
