@@ -5,7 +5,8 @@
 ``uvm``          fbgemm EmbeddingLocation.MANAGED: tables in unified memory (torchrec's
                  ``fused_uvm`` kernel).
 ``uvm_cache``    fbgemm EmbeddingLocation.MANAGED_CACHING: unified memory behind fbgemm's
-                 set-associative LRU/LFU cache (torchrec's ``fused_uvm_caching``).
+                 set-associative LRU/LFU cache (torchrec's ``fused_uvm_caching``); with
+                 ``prefetch_pipeline``, fbgemm's prefetch pipeline (baselines/torchrec_prefetch.py).
 
 All three let fbgemm's fused optimizer apply the scenario's embedding optimizer in
 backward (``exact_sgd`` or ``exact_rowwise_adagrad``: the math of embbench.optim).
