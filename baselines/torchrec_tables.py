@@ -5,7 +5,8 @@
 ``uvm``          fbgemm EmbeddingLocation.MANAGED: tables in unified memory (torchrec's
                  ``fused_uvm`` kernel).
 ``uvm_cache``    fbgemm EmbeddingLocation.MANAGED_CACHING: unified memory behind fbgemm's
-                 set-associative LRU/LFU cache (torchrec's ``fused_uvm_caching``).
+                 set-associative LRU/LFU cache (torchrec's ``fused_uvm_caching``); with
+                 ``prefetch_pipeline``, fbgemm's prefetch pipeline (baselines/torchrec_prefetch.py).
 
 All three let fbgemm's fused optimizer apply the scenario's embedding optimizer in
 backward (``exact_sgd`` or ``exact_rowwise_adagrad``: the math of embbench.optim).
@@ -126,19 +127,32 @@ def cache_counters(counts: Tensor, row_bytes: list[int]) -> dict[str, int]:
 
 
 class CacheObserver:
-    """Counts one fbgemm TBE's cache traffic in training steps: a forward pre-hook takes the
-    batch's linear indices and a copy of the cache state, a forward hook (the prefetch runs
-    inside forward) compares. Evaluation (no grad) is not counted."""
+    """Counts one fbgemm TBE's cache traffic in training steps: before each prefetch it takes
+    the batch's linear indices and a copy of the cache state, after it compares. The prefetch
+    runs inside forward (forward hooks), or, with fbgemm's prefetch pipeline
+    (``at_prefetch``), in the TBE's own ``prefetch()``, which forward then skips (its
+    ``prefetch`` is wrapped): each batch is counted once either way. Evaluation (no grad) is
+    not counted."""
 
-    def __init__(self, tbe: torch.nn.Module):
+    def __init__(self, tbe: torch.nn.Module, at_prefetch: bool = False):
         self.features = tbe.cache_hash_size_cumsum.numel() - 1
         self.enabled = tbe.lxu_cache_weights.numel() > 0
         self.counts = torch.zeros(self.features, len(CACHE_FIELDS), dtype=torch.long,
                                   device=tbe.lxu_cache_state.device)
         self.row_bytes = [d * tbe.lxu_cache_weights.element_size() for d in tbe.D_offsets.diff().tolist()]
         self._pending: tuple[Tensor, Tensor] | None = None
-        tbe.register_forward_pre_hook(self._before, with_kwargs=True)
-        tbe.register_forward_hook(self._after)
+        if at_prefetch:
+            prefetch = tbe.prefetch
+
+            def counted_prefetch(indices, offsets, *args, **kwargs):  # torchrec passes keywords
+                self._before(tbe, (indices, offsets), {})
+                prefetch(indices, offsets, *args, **kwargs)
+                self._after(tbe, (), None)
+
+            tbe.prefetch = counted_prefetch
+        else:
+            tbe.register_forward_pre_hook(self._before, with_kwargs=True)
+            tbe.register_forward_hook(self._after)
 
     def _before(self, tbe, args, kwargs) -> None:
         self._pending = None
@@ -238,7 +252,10 @@ class TorchrecTables(SparseModule):
 
     def forward(self, features: SparseFeatures) -> Tensor:
         self._accesses += features.values.numel()
-        pooled = self.dmp(features.to_kjt(self.keys))
+        return self._pooled_values(self.dmp(features.to_kjt(self.keys)))
+
+    def _pooled_values(self, pooled) -> Tensor:
+        """A sharded collection's KeyedTensor as ``[batch, tables * dim]`` in table order."""
         if pooled.keys() == self.keys:
             return pooled.values()
         # Sharded outputs come grouped by shard, not in feature order: put them back.
@@ -346,7 +363,9 @@ class UvmStrategy(Strategy):
 class UvmCacheParams(StrategyParams):
     cache_ratio: float = Field(0.015, gt=0, le=1, description="fbgemm's cache load factor: share of rows cached")
     algorithm: Literal["lru", "lfu"] = Field("lru", description="fbgemm's cache replacement")
-    prefetch_pipeline: bool = Field(False, description="prefetch the next batch's rows (torchrec TrainPipelinePrefetch)")
+    prefetch_pipeline: bool = Field(False, description=(
+        "prefetch the next batch's rows on a side stream while this batch trains, as torchrec's "
+        "PrefetchTrainPipelineSparseDist does (LRU only); off until a GPU measures it faster"))
 
 
 class UvmCacheStrategy(Strategy):
@@ -355,8 +374,8 @@ class UvmCacheStrategy(Strategy):
     Params = UvmCacheParams
 
     def unsupported_reason(self, env: RuntimeEnv) -> str | None:
-        if self.params.prefetch_pipeline:
-            return "prefetch_pipeline needs torchrec's TrainPipelinePrefetch, which embbench does not drive yet"
+        if self.params.prefetch_pipeline and self.params.algorithm != "lru":
+            return "fbgemm's prefetch pipeline supports the LRU cache only (it asserts so in 1.6 and 1.8)"
         return _needs_cuda(env)
 
     def estimate_memory(self, tables, optimizer, world_size):
@@ -369,18 +388,47 @@ class UvmCacheStrategy(Strategy):
         from baselines._fbgemm import CacheAlgorithm, CacheParams
 
         cache = CacheParams(algorithm={"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}[self.params.algorithm],
-                            load_factor=self.params.cache_ratio, prefetch_pipeline=False)
-        return _UvmCacheTables(ctx, kernel="fused_uvm_caching", sharding="table_wise", cache_params=cache)
+                            load_factor=self.params.cache_ratio, prefetch_pipeline=self.params.prefetch_pipeline)
+        return _UvmCacheTables(ctx, kernel="fused_uvm_caching", sharding="table_wise", cache_params=cache,
+                               prefetch_pipeline=self.params.prefetch_pipeline)
 
 
 class _UvmCacheTables(TorchrecTables):
-    """fbgemm's cache, counted per table by a :class:`CacheObserver` on each of its TBEs."""
+    """fbgemm's cache, counted per table by a :class:`CacheObserver` on each of its TBEs; with
+    ``prefetch_pipeline`` driven by a :class:`~baselines.torchrec_prefetch.PrefetchPipeline`
+    through the harness's hooks (its TBEs built with fbgemm's ``prefetch_pipeline=True``)."""
 
-    def __init__(self, ctx: BuildContext, **kwargs):
+    def __init__(self, ctx: BuildContext, prefetch_pipeline: bool = False, **kwargs):
         super().__init__(ctx, **kwargs)
-        self._observers = [(tbe, CacheObserver(tbe)) for tbe in self._tbes()]
+        self._observe(prefetch_pipeline, ctx.env.device)
+
+    def _observe(self, prefetch_pipeline: bool, device: torch.device) -> None:
+        from baselines.torchrec_prefetch import PrefetchPipeline
+
+        self._observers = [(tbe, CacheObserver(tbe, at_prefetch=prefetch_pipeline)) for tbe in self._tbes()]
+        self.pipeline = PrefetchPipeline(self.dmp.module, device) if prefetch_pipeline else None
+        self.lookahead = 1 if prefetch_pipeline else 0  # look_ahead marks when the next batch is ready
+
+    def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
+        if self.pipeline is not None:
+            self.pipeline.inputs_ready()
+
+    def prefetch(self, features: SparseFeatures) -> None:
+        if self.pipeline is not None and torch.is_grad_enabled():
+            self.pipeline.prefetch(features, features.to_kjt(self.keys))
+
+    def forward(self, features: SparseFeatures) -> Tensor:
+        if self.pipeline is None:
+            return super().forward(features)
+        if not torch.is_grad_enabled():  # evaluation: torchrec's plain forward (fbgemm prefetches inside)
+            self.pipeline.drain()
+            return super().forward(features)
+        self._accesses += features.values.numel()
+        return self._pooled_values(self.pipeline.forward(features, features.to_kjt(self.keys)))
 
     def counters(self) -> dict[str, int]:
+        if self.pipeline is not None:
+            self.pipeline.wait()  # the counts of a prefetch are written on its stream
         total: dict[str, int] = {}
         for _, observer in self._observers:
             for k, v in cache_counters(observer.counts, observer.row_bytes).items():

@@ -394,13 +394,65 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _free_host_bytes() -> tuple[int, str]:
+    """Host memory a new process can still take without swapping, and where the number comes
+    from: the kernel's MemAvailable, lowered to the room left under this container's cgroup
+    limit (cgroup v2, then v1), never above the machine's memory.
+
+    Pinned memory is part of it: page-locked pages are taken from the same RAM and cannot be
+    reclaimed. (RLIMIT_MEMLOCK is no reading of what CUDA may pin: the NVIDIA driver does not
+    charge cudaHostAlloc to it.)"""
+    free, source = _host_memory_bytes(), "physical memory"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                if available < free:
+                    free, source = available, "MemAvailable"
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, used = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and used is not None and limit - used < free:
+            free, source = max(limit - used, 0), "room under the cgroup's memory limit"
+    return free, source
+
+
+def _free_device_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a GPU, read with nvidia-smi so that the launcher opens no CUDA
+    context of its own (that would hold memory the cell needs); the total, as free, where
+    nvidia-smi cannot say."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", ""))
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={uuid if uuid.startswith(('GPU-', 'MIG-')) else 'GPU-' + uuid}", "--query-gpu=memory.free,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30, check=True)
+        free_mib, total_mib = (int(v) for v in out.stdout.strip().splitlines()[0].split(","))
+        return free_mib << 20, total_mib << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return props.total_memory, props.total_memory
+
+
 def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tuple[dict[str, int] | None, str | None]:
     """The strategy's static-memory estimate for this cell (bytes per rank: ``device``, ``host``)
-    and why it cannot fit on this machine, or None for the reason when it fits or is unknown.
+    and why it cannot fit on this machine now, or None for the reason when it fits or is unknown.
 
-    The host holds every rank's host and pinned bytes (and, on a CPU device, its device
-    bytes too); a GPU holds one rank's device bytes. A strategy's ``estimate_memory`` that
-    raises is a broken plugin: it raises ``RuntimeError`` naming the strategy.
+    Checked against what is free now, before any rank pins host memory or allocates managed
+    memory (so that a placement that cannot fit is refused, not left to thrash or wake the
+    OOM killer): the host holds every rank's host and pinned bytes (and, on a CPU device, its
+    device bytes too), against :func:`_free_host_bytes`; each rank's GPU holds its device
+    bytes, against that GPU's free memory. A strategy's ``estimate_memory`` that raises is a
+    broken plugin: it raises ``RuntimeError`` naming the strategy.
     """
     try:
         est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size)
@@ -410,16 +462,20 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
         return None, None
     on_host = est.host_bytes + est.pinned_bytes + (est.device_bytes if device.type == "cpu" else 0)
     per_rank = {"device": est.device_bytes, "host": on_host}
-    host_limit = _host_memory_bytes()
-    if on_host * cell.world_size > host_limit:
+    free, source = _free_host_bytes()
+    if on_host * cell.world_size > free:
+        pinned = f", {est.pinned_bytes / 2**30:,.2f} GiB of it pinned" if est.pinned_bytes else ""
         return per_rank, (f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host memory "
-                          f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB), this machine has "
-                          f"{host_limit / 2**30:,.1f} GiB (--force runs it anyway)")
+                          f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine has "
+                          f"{free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all) "
+                          f"(--force runs it anyway)")
     if device.type == "cuda" and torch.cuda.is_available():
-        capacity = torch.cuda.get_device_properties(device).total_memory
-        if est.device_bytes > capacity:
-            return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
-                              f"rank, the GPU has {capacity / 2**30:,.1f} GiB (--force runs it anyway)")
+        for rank in range(min(cell.world_size, torch.cuda.device_count())):
+            gpu_free, gpu_total = _free_device_bytes(torch.device("cuda", rank))
+            if est.device_bytes > gpu_free:
+                return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
+                                  f"rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
+                                  f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)")
     return per_rank, None
 
 

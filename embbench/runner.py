@@ -25,6 +25,7 @@ from embbench.metrics import (OpCounter, StepTimer, auc_logloss, confidence_inte
                               peak_rss_bytes, summarize, warmed_up)
 from embbench.model import build_model
 from embbench.optional import MissingDependency
+from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
 from embbench.scenario import Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
 from embbench.strategy import BuildContext, RuntimeEnv, Schedule, Unsupported
@@ -126,6 +127,7 @@ def _check_finite_values(named: dict[str, torch.Tensor]) -> None:
             raise Diverged(f"{name} hold {bad} non-finite value(s) after training; training diverged")
 
 
+@scoped_to_the_cell  # run.dense_precision's matmul mode (tf32) for the whole cell
 def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path | None = None,
              process_group: Any = None, schedule: Schedule | None = None, progress: str | None = None,
              profile_path: Path | None = None) -> dict[str, Any]:
@@ -171,6 +173,7 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     build_seconds = time.perf_counter() - build_start
     torch.manual_seed(run.seed)  # the same dense initial weights for every strategy
     model = build_model(scenario.model, NUM_DENSE_FEATURES, len(tables), tables[0].dim).to(device)
+    model = with_dense_precision(model, run.dense_precision, device)  # bf16: autocast around the dense forward
     if env.world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
     dense_optimizer = scenario.optimizer.dense.build(model.parameters())
@@ -329,6 +332,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         "ops_per_step": ops.ops / _OPS_STEPS,
         "host_syncs_per_step": None if ops.host_syncs is None else ops.host_syncs / _OPS_STEPS,
         "schedule": "strategy" if stream.scheduled else "data",
+        "dense_precision": run.dense_precision,
+        "dense_precision_effective": effective_precision(run.dense_precision, device),
         "profile": profile,
         # what must fit on each device: the largest rank; and what the job holds in all
         "memory": {**_combine(ranks, max), "sum": _combine(ranks, sum)},

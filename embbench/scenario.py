@@ -24,6 +24,7 @@ from embbench.data.criteo import NUM_TABLES
 from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
+from embbench.precision import DENSE_PRECISIONS, DensePrecision
 from embbench.strategy import Strategy, get_strategy
 
 __all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
@@ -152,6 +153,15 @@ class RunConfig(_Strict):
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
     )
+    dense_precision: DensePrecision = Field(
+        "fp32", description="the dense model's arithmetic: fp32, tf32 (CUDA matmuls) or bf16 (autocast); embeddings stay fp32")
+
+    @field_validator("dense_precision", mode="before")
+    @classmethod
+    def _known_precision(cls, value: Any) -> Any:
+        if value not in DENSE_PRECISIONS:
+            raise ValueError(f"{value!r} is not one of {', '.join(DENSE_PRECISIONS)}")
+        return value
 
     @field_validator("world_size")
     @classmethod
