@@ -107,9 +107,9 @@ class DevicePlanner:
         decay_every: halve the counts every this many training batches (0: never).
     """
 
-    #: Device bytes of metadata per slot: row, sorted map (row and slot), last plan, next use
-    #: (int64 each), frequency (int32), cached and dirty flags.
-    SLOT_BYTES = 5 * 8 + 4 + 2
+    #: Device bytes of metadata per slot: row, sorted map (row and slot) (int64 each), last
+    #: plan, next use, frequency (int32 each), cached and dirty flags.
+    SLOT_BYTES = 3 * 8 + 3 * 4 + 2
 
     def __init__(self, num_rows: int, capacity: int, max_ids: int, lookahead: int, device: torch.device,
                  admission: str = "tinylfu", learn: bool = True, decay_every: int = 0,
@@ -130,9 +130,9 @@ class DevicePlanner:
         self.slot_row = full(S + 1, self.empty_row)
         self.slot_cached = full(S + 1, False, torch.bool)
         self.slot_dirty = full(S + 1, False, torch.bool)
-        self.slot_plan = full(S + 1, -1)
+        self.slot_plan = full(S + 1, -1, torch.int32)
         self.slot_freq = full(S + 1, 0, torch.int32)
-        self.slot_next = full(S + 1, 0)  # the window number of the row's next use (0: none known)
+        self.slot_next = full(S + 1, 0, torch.int32)  # the window number of the row's next use (0: none known)
         self.map_rows, self.map_slots = self.slot_row[:S].sort()
         self.num_cached = full(1, 0)
         self.counts = full(len(COUNTERS), 0)
@@ -276,6 +276,8 @@ class DevicePlanner:
         """
         pid = self.plans
         self.plans += 1
+        if pid >= torch.iinfo(torch.int32).max:
+            raise ValueError("freqcache: more than 2^31 plans in one run")
         if number is not None:
             self.current = number
         S, m, sink = self.num_slots, self.max_ids, self.sink
@@ -312,7 +314,7 @@ class DevicePlanner:
         kept = self.slot_plan == pid
         if running is not None:
             kept |= (self.slot_plan == running) & ~self.slot_cached
-        priority = torch.where(self.slot_cached, self.slot_freq.long() + self._bonus(self.slot_next),
+        priority = torch.where(self.slot_cached, self.slot_freq.long() + self._bonus(self.slot_next.long()),
                                torch.where(self.slot_row == self.empty_row, -2, -1))
         priority = torch.where(kept, _KEPT, priority)[:S]
         priority, weakest = priority.sort(stable=True)
@@ -355,7 +357,7 @@ class DevicePlanner:
         cand_freq = freq[rank].to(torch.int32)
         self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
         batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]
-        self.slot_next.index_copy_(0, batch_slot, next_use)
+        self.slot_next.index_copy_(0, batch_slot, next_use.to(torch.int32))
         if train:  # (the sink's entries are never read: write-backs test `incoming`)
             self.slot_dirty.index_fill_(0, batch_slot, True)
         self.num_cached += (admitted & ~wins).sum()
