@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.sweep}: {exc}", file=sys.stderr)
         return 2
     results = []
-    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} | "
+    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} {'plan':>6} | "
           f"{'hit':>6} {'MIN':>6} {'gap':>5} | {'uniq':>6} {'MIN':>6} {'gap':>5}")
     for r in run_sweep(sweep):
         results.append(r)
