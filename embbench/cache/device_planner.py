@@ -145,10 +145,14 @@ class DevicePlanner:
 
         self.window_capacity = (lookahead + 1) * m
         self.window = full(self.window_capacity, _NO_KEY)
+        # The step's scalars live on the device too (a captured graph replays them: a Python
+        # number would be baked in), each with its host mirror for the host's own bookkeeping.
         self.entered = 0  # batches that entered the window (numbered from 1)
         self.current = 0  # the number of the window batch planned last (pairs up to it are stale)
         self.plans = 0
         self.trained = 0
+        self._scalars = torch.tensor([-1, -2, 0, 0, 0], device=device)
+        self._pid, self._running, self._current, self._entered, self._trained = self._scalars.unbind()
         self._positions = torch.arange(m, device=device)
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -221,7 +225,7 @@ class DevicePlanner:
     def _bonus(self, next_use: Tensor) -> Tensor:
         """Belady's order inside the window: the nearer a row's next use, the larger its bonus;
         none where the window does not use it."""
-        return torch.where(next_use > self.current, (self.entered + 1 - next_use) * _UPCOMING, 0)
+        return torch.where(next_use > self._current, (self._entered + 1 - next_use) * _UPCOMING, 0)
 
     # -- the look-ahead window -----------------------------------------------------------------
 
@@ -231,13 +235,13 @@ class DevicePlanner:
         self.entered += 1
         if self.entered > _NUMBER_MASK:
             raise ValueError(f"freqcache: more than {_NUMBER_MASK} look-ahead batches in one run")
-        number = self.entered
+        self._entered.add_(1)
         unique = self._distinct(rows)[0]
         valid = unique < self.pad_row
-        incoming = torch.where(valid, (unique << _NUMBER_BITS) | number, _NO_KEY)
+        incoming = torch.where(valid, (unique << _NUMBER_BITS) | self._entered, _NO_KEY)
         C, m = self.window_capacity, self.max_ids
         # Keep the pairs of batches not planned yet, in order, at the front.
-        live = (self.window != _NO_KEY) & ((self.window & _NUMBER_MASK) > self.current)
+        live = (self.window != _NO_KEY) & ((self.window & _NUMBER_MASK) > self._current)
         kept = torch.full((C + 1,), _NO_KEY, dtype=torch.int64, device=self.device)
         kept.scatter_(0, torch.where(live, torch.cumsum(live, 0) - 1, C), self.window)
         kept = kept[:C]
@@ -253,12 +257,12 @@ class DevicePlanner:
         # Resident rows of the batch without a nearer next use: this batch is it.
         slots = self._lookup(unique)  # the padding (the dummy row) is never resident
         known = self.slot_next[slots]
-        self.slot_next.index_copy_(0, slots, torch.where(known > self.current, known, number))
-        return number
+        self.slot_next.index_copy_(0, slots, torch.where(known > self._current, known, self._entered).to(torch.int32))
+        return self.entered
 
     def _next_use(self, rows: Tensor) -> Tensor:
         """Each row's next use in the window after the batch planned now (0: none)."""
-        keys = (rows << _NUMBER_BITS) | (self.current + 1)
+        keys = (rows << _NUMBER_BITS) | (self._current + 1)
         at = torch.searchsorted(self.window, keys).clamp_(max=self.window_capacity - 1)
         found = self.window[at]
         return torch.where((found >> _NUMBER_BITS) == rows, found & _NUMBER_MASK, 0)
@@ -271,14 +275,25 @@ class DevicePlanner:
         Args:
             rows: the batch's global rows, one per id (on the planner's device).
             train: a training batch (counted, and its slots become dirty); else evaluation.
-            running: the plan of a step that may still be running (its slots are kept).
+            running: the plan of a step that may still be running: the last plan made, if any.
             number: the batch's window number if it entered the window.
         """
         pid = self.plans
         self.plans += 1
         if pid >= torch.iinfo(torch.int32).max:
             raise ValueError("freqcache: more than 2^31 plans in one run")
+        if running is not None and running != pid - 1:
+            raise ValueError(f"freqcache: the running plan must be the last one made ({pid - 1}), got {running}")
+        if running is None:
+            self._running.fill_(-2)  # no plan has this number
+        else:
+            self._running.copy_(self._pid)
+        self._pid.add_(1)
         if number is not None:
+            if number == self.current + 1:  # the window's next batch (always, in steady state)
+                self._current.add_(1)
+            else:
+                self._current.fill_(number)
             self.current = number
         S, m, sink = self.num_slots, self.max_ids, self.sink
         n = len(rows)
@@ -287,17 +302,19 @@ class DevicePlanner:
         slot = self._lookup(unique)
         resident = slot != sink
         cached = self.slot_cached[slot]  # the sink is never cached
-        self.slot_plan.index_fill_(0, slot, pid)  # kept for this batch from here on
+        self.slot_plan.index_fill_(0, slot, self._pid)  # kept for this batch from here on
 
         outside = valid & ~cached
         if train:
             self.trained += 1
+            self._trained.add_(1)
             if self.learn:
                 self._sketch_add(unique, outside)
                 self.slot_freq.index_add_(0, torch.where(cached, slot, sink), torch.ones_like(slot, dtype=torch.int32))
-                halve = int(bool(self.decay_every) and self.trained % self.decay_every == 0)
-                self.sketch >>= halve  # an op every step (a shift by 0 mostly): the same work each time
-                self.slot_freq >>= halve
+                if self.decay_every:  # a shift every step (by 0 mostly): the same work each time
+                    halve = (self._trained % self.decay_every == 0).to(torch.int32)
+                    self.sketch >>= halve
+                    self.slot_freq >>= halve
         freq = torch.where(cached, self.slot_freq[slot].long(), self._sketch_estimate(unique).long())
         next_use = self._next_use(unique)
 
@@ -311,9 +328,7 @@ class DevicePlanner:
         # Slots, weakest first: empty, then staged, then cached by priority; never this batch's,
         # nor the running batch's staged ones. Its cached ones may be taken (as Belady would):
         # those moves are late, done once it has ended.
-        kept = self.slot_plan == pid
-        if running is not None:
-            kept |= (self.slot_plan == running) & ~self.slot_cached
+        kept = (self.slot_plan == self._pid) | ((self.slot_plan == self._running) & ~self.slot_cached)
         priority = torch.where(self.slot_cached, self.slot_freq.long() + self._bonus(self.slot_next.long()),
                                torch.where(self.slot_row == self.empty_row, -2, -1))
         priority = torch.where(kept, _KEPT, priority)[:S]
@@ -346,14 +361,14 @@ class DevicePlanner:
         write_back = incoming & self.slot_dirty[dest] & (old_rows < self.pad_row)
         plan_out = (torch.where(write_back, dest, sink), torch.where(write_back, old_rows, self.pad_row))
         plan_in = (dest, torch.where(incoming, cand_row, self.pad_row))
-        late = incoming & (self.slot_plan[dest] == (-2 if running is None else running))
+        late = incoming & (self.slot_plan[dest] == self._running)
 
         # The new map.
         self.slot_cached.index_fill_(0, demoted, False)
         self.slot_row.index_copy_(0, dest, cand_row)
         self.slot_cached.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), admitted)
         self.slot_dirty.index_fill_(0, dest, False)
-        self.slot_plan.index_fill_(0, dest, pid)
+        self.slot_plan.index_fill_(0, dest, self._pid)
         cand_freq = freq[rank].to(torch.int32)
         self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
         batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]
@@ -391,5 +406,5 @@ class DevicePlanner:
     def nbytes(self) -> int:
         """Device bytes of the planner's state (maps, counters, sketch, window)."""
         tensors = (self.slot_row, self.slot_cached, self.slot_dirty, self.slot_plan, self.slot_freq, self.slot_next,
-                   self.map_rows, self.map_slots, self.sketch, self.window, self.counts, self._positions)
+                   self.map_rows, self.map_slots, self.sketch, self.window, self.counts, self._positions, self._scalars)
         return sum(t.nbytes for t in tensors)
