@@ -21,15 +21,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
-                             run_cells_in_job)
+from embbench.device import resolve_device
+from embbench.launch import RecordsNotWritten, max_ranks, memory_preflight, run_cells
 from embbench.optional import MissingDependency, require
 from embbench.progress import RunProgress
 from embbench.report import print_comparison, profile_tables
 from embbench.results import RecordError, load_records
-from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
+from embbench.torchrun_job import launched_by_torchrun, run_cells_in_job
 
 # Logs and CI are not terminals: give tables room rather than wrapping every cell.
 console = Console(width=None if sys.stdout.isatty() else 240)

@@ -46,10 +46,10 @@ def hash_sizes(data: "DataConfig") -> list[int] | None:
 
 
 @lru_cache(maxsize=4)
-def _dataset(data_json: str, cache_dir: Path) -> CriteoDataset:
-    from embbench.scenario import DataConfig
-
-    return _prepare(DataConfig.model_validate_json(data_json), cache_dir, None)
+def _dataset(data_json: str, cache_dir: Path, config: type["DataConfig"]) -> CriteoDataset:
+    # Keyed by the section's JSON (a pydantic model is not hashable); its class comes along so
+    # that this module needs no import of the scenario, which imports it.
+    return _prepare(config.model_validate_json(data_json), cache_dir, None)
 
 
 def _prepare(data: "DataConfig", cache_dir: Path, on_progress: Progress | None) -> CriteoDataset:
@@ -63,7 +63,7 @@ def criteo_dataset(data: "DataConfig", cache_dir: Path | None = None, on_progres
     cache_dir = (cache_dir or data_cache_dir()).resolve()
     if on_progress is not None:
         _prepare(data, cache_dir, on_progress)  # fills the cache with progress shown; the lookup below is then cheap
-    return _dataset(data.model_dump_json(), cache_dir)
+    return _dataset(data.model_dump_json(), cache_dir, type(data))
 
 
 @lru_cache(maxsize=4)
@@ -91,9 +91,7 @@ def source_tables(data: "DataConfig") -> list[TableSpec]:
 
 def batches_needed(run: "RunConfig") -> tuple[int, int]:
     """Training and evaluation batches a run reads (at most: with a profile, and the longest warm-up)."""
-    from embbench.runner import training_batches_read
-
-    return training_batches_read(run), run.eval_batches
+    return run.training_batches_read(), run.eval_batches
 
 
 def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int]) -> None:
