@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embbench.data import NUM_DENSE_FEATURES, Stream, TableSpec
+from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
 from embbench.metrics import (OpCounter, StepTimer, auc_logloss, confidence_interval, device_memory, miss_rate,
@@ -32,7 +32,7 @@ from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenari
 from embbench.stream import TrainingStream
 from embbench.strategy import BuildContext, RuntimeEnv, Schedule, SparseModule, Unsupported
 
-__all__ = ["Diverged", "run_cell"]
+__all__ = ["Diverged", "StrategyOutputError", "run_cell"]
 
 #: Warm-up watches the miss rate over windows of this many steps.
 _WARMUP_WINDOW = 5
@@ -40,6 +40,11 @@ _WARMUP_WINDOW = 5
 
 class Diverged(RuntimeError):
     """Training produced a non-finite loss: recorded as status ``diverged``."""
+
+
+class StrategyOutputError(RuntimeError):
+    """A strategy's sparse module returned something other than its pooled embeddings'
+    contract (a tensor ``[local batch, tables * dim]`` on the compute device)."""
 
 
 def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path | None = None,
@@ -78,6 +83,7 @@ class _Training:
     run: RunConfig
     env: RuntimeEnv
     process_group: Any
+    strategy_name: str
     tables: list[TableSpec]
     global_batch: int
     data: Any
@@ -94,6 +100,23 @@ class _Training:
     def device(self) -> torch.device:
         return self.env.device
 
+    def pooled(self, features: SparseFeatures) -> torch.Tensor:
+        """The sparse module's pooled embeddings of ``features``, checked against the contract,
+        so that a strategy that breaks it is named rather than failing inside the model."""
+        out = self.sparse(features)
+        dim = self.tables[0].dim
+        expected = [features.batch_size, len(self.tables) * dim]
+        if not isinstance(out, torch.Tensor):
+            got = f"a {type(out).__name__}, not a tensor"
+        elif list(out.shape) != expected:
+            got = str(list(out.shape))
+        elif out.device != self.device:
+            got = f"a tensor on {out.device}"
+        else:
+            return out
+        raise StrategyOutputError(f"strategy {self.strategy_name} returned {got}; expected {expected} on "
+                                  f"{self.device} (batch, tables x dim = {len(self.tables)} x {dim})")
+
     def train_step(self) -> torch.Tensor:
         """One training step, everything a strategy does included; batches are made before."""
         stream, sparse, i = self.stream, self.sparse, self.step_index
@@ -101,7 +124,7 @@ class _Training:
         ahead = [stream.get(j).sparse for j in range(i + 1, min(i + 1 + sparse.lookahead, self.train_steps + 1))]
         if ahead:
             sparse.look_ahead(ahead)
-        pooled = self.sparse(batch.sparse)
+        pooled = self.pooled(batch.sparse)
         sparse.prefetch(upcoming.sparse)
         loss = self.loss_fn(self.model(batch.dense, pooled), batch.labels)
         self.dense_optimizer.zero_grad(set_to_none=True)
@@ -166,7 +189,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
     dense_optimizer = scenario.optimizer.dense.build(model.parameters())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return _Training(run, env, process_group, tables, global_batch, data, stream, train_steps, sparse,
+    return _Training(run, env, process_group, cell.strategy, tables, global_batch, data, stream, train_steps, sparse,
                      build_seconds, model, dense_optimizer)
 
 
@@ -292,7 +315,7 @@ def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progres
     with torch.no_grad():
         for i in range(run.eval_batches):
             batch = training.data.batch(Stream.EVAL, i, training.global_batch).shard(env.rank, env.world_size)
-            logits.append(training.model(batch.dense, training.sparse(batch.sparse)))
+            logits.append(training.model(batch.dense, training.pooled(batch.sparse)))
             labels.append(batch.labels)
     accuracy: dict[str, Any] = {"train_loss_last10": float(torch.stack(losses[-10:]).mean())}
     if logits:
