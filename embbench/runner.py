@@ -110,7 +110,7 @@ class _Training:
             got = f"a {type(out).__name__}, not a tensor"
         elif list(out.shape) != expected:
             got = str(list(out.shape))
-        elif out.device != self.device:
+        elif out.device.type != self.device.type:  # (cuda:1 on cuda:0 is torch's own error to raise)
             got = f"a tensor on {out.device}"
         else:
             return out
