@@ -12,7 +12,7 @@ import torch
 
 from embbench.data import Stream, SyntheticCriteo, make_tables
 from embbench.optim import EmbeddingOptimizer
-from embbench.runner import initial_weights
+from embbench.data.weights import initial_weights
 from embbench.strategy import BuildContext, RuntimeEnv, get_strategy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,16 +21,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
-                             run_cells_in_job)
+from embbench.device import resolve_device
+from embbench.launch import RecordsNotWritten, max_ranks, memory_preflight, run_cells
 from embbench.optional import MissingDependency, require
 from embbench.progress import RunProgress
 from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
 from embbench.results import RecordError, load_records
-from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 from embbench.table_view import View, column_names
+from embbench.torchrun_job import launched_by_torchrun, run_cells_in_job
 
 # Tables fit the terminal's width (COLUMNS where set; see embbench/table_view.py). Logs and CI
 # are not terminals: there, without COLUMNS, tables get room for most of their columns.

@@ -138,6 +138,11 @@ class OptimizerConfig(_Strict):
     dense: DenseOptimizer = DenseOptimizer()
 
 
+#: Untimed training steps after the measurement: operator counting, then (with a profile) profiling.
+OPS_STEPS = 2
+PROFILE_STEPS = 3
+
+
 class RunConfig(_Strict):
     world_size: int | list[int] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -179,6 +184,11 @@ class RunConfig(_Strict):
     @property
     def world_sizes(self) -> list[int]:
         return self.world_size if isinstance(self.world_size, list) else [self.world_size]
+
+    def training_batches_read(self, profile: bool = True) -> int:
+        """How many training batches a cell reads: the longest warm-up, every measured step, the
+        untimed steps that count operators (and profile), and the batch the last step prefetches."""
+        return self.warmup_bound + self.repeats * self.steps + OPS_STEPS + (PROFILE_STEPS if profile else 0) + 1
 
 
 class StrategyEntry(_Strict):

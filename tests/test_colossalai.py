@@ -15,7 +15,7 @@ from embbench.data import Batch, SparseFeatures, TableSpec
 from embbench.embedding import RowSpace
 from embbench.launch import run_cells
 from embbench.optim import EmbeddingOptimizer
-from embbench.runner import initial_weights
+from embbench.data.weights import initial_weights
 from embbench.scenario import parse_scenario
 from embbench.strategy import BuildContext, RuntimeEnv
 from tests.conftest import tiny_scenario, train_and_flush

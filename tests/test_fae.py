@@ -103,11 +103,11 @@ FAE = {"hot_ratio": 0.1, "profile_fraction": 0.5, "phase_batches": 3}
 
 def _schedule_of(scenario, params) -> tuple:
     """fae's own schedule for this scenario's run (computed by run_cell the same way)."""
-    from embbench.runner import _OPS_STEPS
+    from embbench.scenario import OPS_STEPS
     from embbench.stream import TrainingStream
 
     run = scenario.run
-    steps = run.warmup_bound + run.repeats * run.steps + _OPS_STEPS + 1
+    steps = run.warmup_bound + run.repeats * run.steps + OPS_STEPS + 1
     stream = TrainingStream(scenario.data_source(CPU.device), scenario.data.batch_size, 0, 1, num_batches=steps)
     strategy = FaeStrategy(FaeParams(**params))
     return strategy.schedule(stream.schedule_context(scenario.tables(), run.seed)), strategy._plan

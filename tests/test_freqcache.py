@@ -13,7 +13,7 @@ from embbench.cache.policy import _HISTOGRAM, _UPCOMING, FrequencySketch, SlotPl
 from embbench.data import SparseFeatures, TableSpec
 from embbench.metrics import belady_hit_rate, belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
-from embbench.runner import initial_weights
+from embbench.data.weights import initial_weights
 from embbench.strategy import BuildContext, RuntimeEnv
 from tests.conftest import tiny_scenario, train_and_flush
 

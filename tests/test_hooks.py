@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from embbench.data.batch import SparseFeatures
 from embbench.launch import run_cells
 from embbench.metrics import warmed_up
-from embbench.runner import Diverged, run_cell
+from embbench.runner import Diverged, StrategyOutputError, run_cell
 from embbench.scenario import Cell, parse_scenario
 from embbench.strategy import RuntimeEnv, Schedule
 from tests.conftest import _install_plugin, tiny_scenario, train_and_flush
@@ -66,7 +66,10 @@ def hook_plugins(tmp_path, monkeypatch):
     _install_plugin(tmp_path / "hooksite", "hook_plugin", {"reverser": "hook_plugin:Reverser",
                                                            "nan_maker": "hook_plugin:NanMaker",
                                                            "nan_in_eval": "hook_plugin:NanInEval",
-                                                           "nan_in_weights": "hook_plugin:NanInWeights"}, """
+                                                           "nan_in_weights": "hook_plugin:NanInWeights",
+                                                           "bad_shape": "hook_plugin:BadShape",
+                                                           "not_a_tensor": "hook_plugin:NotATensor",
+                                                           "elsewhere": "hook_plugin:Elsewhere"}, """
         import torch
         from baselines.tables import DeviceStrategy
         from embbench.strategy import Schedule
@@ -140,6 +143,27 @@ def hook_plugins(tmp_path, monkeypatch):
 
                 module.flush = poisoned
                 return module
+
+        class OutputChanged(DeviceStrategy):  # device, its pooled output passed through `change`
+            change = staticmethod(lambda out: out)
+
+            def build(self, ctx):
+                module = super().build(ctx)
+                forward = module.forward
+                module.forward = lambda f: self.change(forward(f))
+                return module
+
+        class BadShape(OutputChanged):  # three numbers per sample instead of tables x dim
+            name = "bad_shape"
+            change = staticmethod(lambda out: out[:, :3])
+
+        class NotATensor(OutputChanged):
+            name = "not_a_tensor"
+            change = staticmethod(lambda out: [out])
+
+        class Elsewhere(OutputChanged):  # the right shape, on another device
+            name = "elsewhere"
+            change = staticmethod(lambda out: out.to("meta"))
         """, monkeypatch)
     import hook_plugin
     yield hook_plugin
@@ -215,6 +239,25 @@ def test_non_finite_outputs_or_weights_after_a_finite_loss_are_recorded_as_diver
     records = {r.strategy: r for r in run_cells(scenario, "t", cells, tmp_path)}
     assert records["device"].status == "ok"
     assert records[strategy].status == "diverged" and message in records[strategy].message
+
+
+@pytest.mark.parametrize("strategy, got", [("bad_shape", "[64, 3]"), ("not_a_tensor", "a list, not a tensor"),
+                                           ("elsewhere", "a tensor on meta")])
+def test_a_strategy_output_off_the_contract_is_named(hook_plugins, strategy, got):
+    scenario, _ = parse_scenario(tiny_scenario(), "t")
+    expected = f"strategy {strategy} returned {got}; expected [64, 208] on cpu (batch, tables x dim = 26 x 8)"
+    with pytest.raises(StrategyOutputError) as caught:
+        run_cell(scenario, Cell(strategy), CPU)
+    assert str(caught.value) == expected
+
+
+def test_a_wrong_shape_is_the_cells_error_and_the_other_cells_run(hook_plugins, tmp_path):
+    raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "bad_shape"}, {"name": "cpu"}])
+    scenario, cells = parse_scenario(raw, "t")
+    records = {r.strategy: r for r in run_cells(scenario, "t", cells, tmp_path)}
+    assert records["device"].status == "ok" and records["cpu"].status == "ok"
+    assert records["bad_shape"].status == "error"
+    assert "strategy bad_shape returned [64, 3]; expected [64, 208]" in records["bad_shape"].message
 
 
 def test_warm_up_runs_until_the_miss_rate_stops_falling():

@@ -47,10 +47,10 @@ def hash_sizes(data: "DataConfig") -> list[int] | None:
 
 
 @lru_cache(maxsize=4)
-def _dataset(data_json: str, cache_dir: Path) -> CriteoDataset:
-    from embbench.scenario import DataConfig
-
-    return _prepare(DataConfig.model_validate_json(data_json), cache_dir, None, verify=False)
+def _dataset(data_json: str, cache_dir: Path, config: type["DataConfig"]) -> CriteoDataset:
+    # Keyed by the section's JSON (a pydantic model is not hashable); its class comes along so
+    # that this module needs no import of the scenario, which imports it.
+    return _prepare(config.model_validate_json(data_json), cache_dir, None, verify=False)
 
 
 def _files(path: str, fmt) -> list[Path]:
@@ -79,7 +79,7 @@ def criteo_dataset(data: "DataConfig", cache_dir: Path | None = None, on_progres
     cache_dir = (cache_dir or data_cache_dir()).resolve()
     if on_progress is not None or verify:
         _prepare(data, cache_dir, on_progress, verify)  # progress shown or hashes checked; the lookup below is then cheap
-    return _dataset(data.model_dump_json(), cache_dir)
+    return _dataset(data.model_dump_json(), cache_dir, type(data))
 
 
 @lru_cache(maxsize=4)
@@ -107,9 +107,7 @@ def source_tables(data: "DataConfig") -> list[TableSpec]:
 
 def batches_needed(run: "RunConfig") -> tuple[int, int]:
     """Training and evaluation batches a run reads (at most: with a profile, and the longest warm-up)."""
-    from embbench.runner import training_batches_read
-
-    return training_batches_read(run), run.eval_batches
+    return run.training_batches_read(), run.eval_batches
 
 
 def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int]) -> None:

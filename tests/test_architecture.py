@@ -1,0 +1,137 @@
+"""The layering of the code: no module of embbench or baselines imports, directly or through
+others, a module that imports it back; and the launcher (the parent process) never imports
+the runner (a cell's rank).
+
+Imports inside functions count (they run, only later); imports under ``if TYPE_CHECKING:``
+do not (they never run, and only name types in annotations).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("embbench", "baselines")
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_names(module: str, path: Path) -> dict[str, int]:
+    """Every dotted name ``module`` imports (``from a import b`` gives ``a`` and ``a.b``), with
+    the line of its first import."""
+    names: dict[str, int] = {}
+    is_package = path.name == "__init__.py"
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                names.setdefault(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package this module is in (or is)
+                package = module.split(".")[: None if is_package else -1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            names.setdefault(base, node.lineno)
+            for alias in node.names:
+                names.setdefault(f"{base}.{alias.name}", node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return names
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """``graph[a][b]``: the line at which module ``a`` first imports module ``b`` of the project."""
+    modules = _modules(root)
+
+    def owner(name: str) -> str | None:  # the project module a dotted name lives in
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(module, {})
+        for name, line in _imported_names(module, path).items():
+            target = owner(name)
+            # importing a submodule of one's own package (or the package itself) is not a cycle
+            if target and target != module and not module.startswith(target + "."):
+                edges.setdefault(target, line)
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle of the graph as ``[a, b, ..., a]``, or None when it is acyclic."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_no_module_imports_itself_back():
+    graph = import_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {_describe(cycle, graph)}"
+
+
+def test_the_launcher_does_not_import_the_runner():
+    graph = import_graph()
+    assert "embbench.runner" in graph and "embbench.launch" in graph
+    assert "embbench.runner" not in graph["embbench.launch"], (
+        f"embbench/launch.py imports embbench.runner at line {graph['embbench.launch']['embbench.runner']}: "
+        "the parent process must not need the cell worker (put what both use in a module below them)")
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    for package, files in {"embbench": {"a.py": "from embbench import b\n",
+                                        "b.py": "def f():\n    from embbench.c import x\n",
+                                        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from embbench import b\nfrom embbench.a import y\n"},
+                           "baselines": {"d.py": "from embbench import c\n"}}.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        for name, text in files.items():
+            (tmp_path / package / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert graph["embbench.c"] == {"embbench.a": 4}  # the TYPE_CHECKING import does not count
+    assert find_cycle(graph) == ["embbench.c", "embbench.a", "embbench.b", "embbench.c"]  # reached from baselines.d
+    assert _describe(find_cycle(graph), graph) == \
+        "embbench.c (line 4) -> embbench.a (line 1) -> embbench.b (line 2) -> embbench.c"
