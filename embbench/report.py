@@ -50,12 +50,12 @@ def _hit_rates(hit, bound, unique_hit, unique_bound) -> str:
     return text
 
 
-def _row(r: Record, baseline_rate: dict[int, float]) -> dict[str, str]:
+def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> dict[str, str]:
     m = r.metrics or {}
     step = m["step_time_s"]
     ci = m["throughput"]["ci95"]
     rate = m["throughput"]["mean"]
-    base = baseline_rate.get(r.world_size)
+    base = baseline_rate.get((r.scenario["digest"], r.world_size))
     per_step = _get(m, "counters", "per_step") or {}
     mem = m["memory"]
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
@@ -93,8 +93,8 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     """
     baseline_name = records[0].baseline if records else None
     records = sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
-    baseline_rate = {
-        r.world_size: r.metrics["throughput"]["mean"]
+    baseline_rate = {  # never across scenarios: a record's speedup is against its own scenario's baseline
+        (r.scenario["digest"], r.world_size): r.metrics["throughput"]["mean"]
         for r in records if r.strategy == baseline_name and r.status == "ok"
     }
     rows = [(r, _row(r, baseline_rate) if r.status == "ok" and r.metrics else None) for r in records]
