@@ -31,8 +31,8 @@ from tests.record_factory import make_record, write_run
 ROOT = Path(__file__).resolve().parents[1]
 #: A real run (H100, committed): the baseline and a cache cell with counters, bounds and weights.
 REAL_RUN = ROOT / "results" / "2026-11-23-h100" / "smoke"
-BASELINE_FILE, TARGET_FILE = "device@w1.json", "freqcache_cache_ratio=0.01,policy=lfu_@w1.json"
-TARGET_ID = "freqcache[cache_ratio=0.01,policy=lfu]@w1"
+#: file -> cell id
+REAL_CELLS = {"device@w1.json": "device@w1", "freqcache_cache_ratio=0.01,policy=lfu_@w1.json": "freqcache[cache_ratio=0.01,policy=lfu]@w1"}
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -112,23 +112,26 @@ def _names_the_key(message: str, path: tuple) -> bool:
     return path[0] == "status" and key in ("metrics", "message")
 
 
-_REAL = {name: json.loads((REAL_RUN / name).read_text()) for name in (BASELINE_FILE, TARGET_FILE)}
-_TARGET_PATHS = _paths(_REAL[TARGET_FILE])
+_REAL = {name: json.loads((REAL_RUN / name).read_text()) for name in REAL_CELLS}
+#: (file, key path) of every key of both records: the baseline's and the cache cell's
+_KEYS = [(name, path) for name, record in _REAL.items() for path in _paths(record)]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(_TARGET_PATHS), how=st.sampled_from(_MUTATIONS))
-def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys, path, how):
-    data = json.loads(json.dumps(_REAL[TARGET_FILE]))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(_KEYS), how=st.sampled_from(_MUTATIONS))
+def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys, key, how):
+    name, path = key
+    cell_id = REAL_CELLS[name]
+    data = json.loads(json.dumps(_REAL[name]))
     if not _mutate(data, path, how):
         return
     with tempfile.TemporaryDirectory() as tmp:
         base, run = Path(tmp) / "base", Path(tmp) / "run"
         for d in (base, run):
             d.mkdir()
-            for name, record in _REAL.items():
-                (d / name).write_text(json.dumps(record))
-        target = run / TARGET_FILE
+            for file, record in _REAL.items():
+                (d / file).write_text(json.dumps(record))
+        target = run / name
         target.write_text(json.dumps(data))  # NaN and Infinity as Python's json writes them
         try:
             read_record(target)
@@ -143,7 +146,7 @@ def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys,
 
         code, out, err = _cli(capsys, "show", run)
         assert code == 0 and "Traceback" not in err
-        assert (TARGET_ID in out) == (rejected is None)
+        assert (cell_id in out) == (rejected is None)
         if rejected:
             assert err == warning
         else:
@@ -151,13 +154,13 @@ def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys,
             assert ("records of 2 scenarios" in out) == mixed
         code, out, err = _cli(capsys, "show", run, "--json")
         rows = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in show --json"))
-        assert code == 0 and [r["cell_id"] for r in rows].count(TARGET_ID) == (rejected is None)
+        assert code == 0 and [r["cell_id"] for r in rows].count(cell_id) == (rejected is None)
 
         code, out, err = _cli(capsys, "recommend", run, "--device-memory", "80GiB")
         if mixed:
             assert code == 2 and "holds records of 2 scenarios" in err
         else:
-            assert code == 0 and (TARGET_ID in out) == (rejected is None)
+            assert code == 0 and (cell_id in out) == (rejected is None)
             assert err == (warning if rejected else "")
             _no_non_finite(out)
 
@@ -165,10 +168,10 @@ def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys,
         if mixed:
             assert code == 2 and "holds records of 2 scenarios" in err
         elif rejected:
-            assert code == 1 and _words(f"{TARGET_ID}: its record is damaged ({rejected})") in _words(out)
+            assert code == 1 and _words(f"{cell_id}: its record is damaged ({rejected})") in _words(out)
         else:
             assert code in (0, 1) and "Traceback" not in err
-            assert code == 0 or f"{TARGET_ID}: " in out
+            assert code == 0 or f"{cell_id}: " in out
 
 
 def test_a_nan_throughput_is_named_and_never_ranked(tmp_path, capsys):
