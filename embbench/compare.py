@@ -110,7 +110,8 @@ class Run:
 
     def damaged_cell(self, cell_id: str) -> RecordError | None:
         """The error of this run's record file of ``cell_id`` (``<slug>.json``), if it was left out."""
-        return next((e for e in self.damaged if e.path is not None and e.path.name == f"{cell_slug(cell_id)}.json"), None)
+        name = f"{cell_slug(cell_id)}.json"
+        return next((e for e in self.damaged if e.path is not None and e.path.name == name), None)
 
 
 def _one_scenario(path: Path, records: list[Record]) -> None:
@@ -257,7 +258,8 @@ def regressions(cells: list[CellComparison], threshold: float, candidate: Run | 
     for cell in cells:
         if cell.status_before == "ok" and cell.status_after is None:
             damaged = candidate.damaged_cell(cell.cell_id) if candidate else None
-            out.append(f"{cell.cell_id}: " + (f"its record is damaged ({damaged})" if damaged else "missing from the candidate run"))
+            why = f"its record is damaged ({damaged})" if damaged else "missing from the candidate run"
+            out.append(f"{cell.cell_id}: {why}")
             continue
         if cell.status_before == "ok" and cell.status_after is not None and cell.status_after not in _NOT_FAILED:
             out.append(f"{cell.cell_id}: was ok, now {cell.status_after}")

@@ -328,7 +328,8 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                 write_record(out_dir, cell.slug, record)
             except (OSError, RecordError) as e:  # disk full, directory removed: told once, the other cells still run
                 if not write_errors:
-                    notice(str(e) if isinstance(e, RecordError) else f"cannot write {out_dir / cell.slug}.json: {e.strerror or e}")
+                    notice(f"cannot write {out_dir / cell.slug}.json: {e.strerror or e}" if isinstance(e, OSError)
+                           else str(e))  # a RecordError names the file and the field
                 write_errors.append(cell.id)
         records.append(record)
         if on_done:

@@ -27,7 +27,8 @@ from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_ex
 from embbench import buildinfo
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
-           "provenance", "read_record", "relevant_packages", "scenario_differences", "schema_error", "write_record", "load_records"]
+           "load_records", "provenance", "read_record", "relevant_packages", "scenario_differences", "schema_error",
+           "write_record"]
 
 SCHEMA_VERSION = 1
 Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
@@ -257,7 +258,8 @@ class Record(BaseModel):
         def check(value: Any, key: str) -> None:
             if isinstance(value, float) and not math.isfinite(value):
                 raise _record_error(key, f"{value} is not a finite number")
-            for k, v in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
+            items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+            for k, v in items:
                 check(v, f"{key}.{k}" if key else str(k))
 
         check(data, "")
