@@ -20,13 +20,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from embbench.device import resolve_device
-from embbench.launch import RecordsNotWritten, max_ranks, memory_preflight, run_cells
+from embbench.launch import RecordsNotWritten, max_ranks, memory_preflight, other_scenario, run_cells
 from embbench.optional import MissingDependency, require
 from embbench.progress import RunProgress
 from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
-from embbench.results import RecordError, load_records
+from embbench.results import RecordError, by_scenario, load_records, scenario_differences
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 from embbench.table_view import View, column_names
@@ -89,6 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.profile and launched_by_torchrun():
         raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
     out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
+    mixed = other_scenario(out, scenario, str(args.scenario))
+    if mixed:  # its tables would put cells of two scenarios side by side
+        raise ValueError(mixed)
     if not args.dry_run:
         _run_directory(out)  # before any data is converted into it
     _prepare_data(args.scenario, scenario, _data_cache(args), verify=args.verify_data)
@@ -306,14 +310,39 @@ def _csv_columns(rows: list[dict]) -> list[str]:
     return rest[:at] + params + rest[at:]
 
 
+def _load_runs(paths: list[str], need_records: bool = True) -> list:
+    """:func:`embbench.compare.load_runs`, each file it left out named on stderr."""
+    from embbench.compare import load_runs
+
+    runs = load_runs(paths, need_records)
+    for run in runs:
+        for error in run.damaged:
+            _skip_damaged(error)
+    return runs
+
+
+def _scenario_title(group: list, first: list, where: str, groups: int) -> Text:
+    """A table's title: where its records are from and, among several scenarios, which one
+    (and what differs from the first)."""
+    if groups == 1:
+        return Text(where)
+    info = group[0].scenario
+    title = f"{where}: scenario {info['name']} {info['digest'][:10]}"
+    if group is not first:
+        title += f" (against {first[0].scenario['digest'][:10]}: {scenario_differences(first[0].scenario, info)})"
+    return Text(title)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    records = load_records(Path(args.results), on_damaged=_skip_damaged)
+    records = load_records([Path(p) for p in args.results], on_damaged=_skip_damaged)
+    where = " ".join(args.results)
     if not records:
-        raise RecordError(f"{args.results}: no usable records")
+        raise RecordError(f"{where}: no usable records")
+    groups = by_scenario(records)  # speedups are against the baseline of the same scenario only
     if args.csv or args.json:
         from embbench.columns import flat_rows
 
-        rows = flat_rows(records)
+        rows = [row for group in groups for row in flat_rows(group)]
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
@@ -322,14 +351,17 @@ def cmd_show(args: argparse.Namespace) -> int:
             writer.writeheader()
             writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()} for row in rows)
         return 0
-    print_comparison(records, console, title=str(args.results), view=_view(args))
+    if len(groups) > 1:
+        console.print(Text(f"{where}: records of {len(groups)} scenarios: one table each, no speedup across them",
+                           style="yellow"))
+    for group in groups:
+        print_comparison(group, console, title=_scenario_title(group, groups[0], where, len(groups)), view=_view(args))
     for table in profile_tables(records):
         console.print(table)
     return 0
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:
-    from embbench.compare import load_runs
     from embbench.recommend import Budget, parse_size, recommend
     from embbench.report import print_recommendations
 
@@ -337,7 +369,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
     if args.auc_tolerance < 0:
         raise ValueError(f"--auc-tolerance {args.auc_tolerance}: must be 0 or more")
-    records = load_runs([args.run])[0].records
+    records = _load_runs([args.run])[0].records
     recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in recs], indent=2))
@@ -347,18 +379,19 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from embbench.compare import ALPHA, TEST, compare_runs, load_runs, parse_percent, regressions, to_json
+    from embbench.compare import ALPHA, TEST, compare_runs, parse_percent, regressions, to_json
     from embbench.report import print_deltas
 
     threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
-    runs = load_runs(args.runs)
+    runs = _load_runs(args.runs, need_records=False)  # a candidate whose records are all damaged fails the gate
     pairs = compare_runs(runs, ALPHA)
     failures = []
     for run, cells in pairs:
-        if threshold is not None and not any(c.comparable for c in cells):
+        found = regressions(cells, threshold, run) if threshold is not None else []
+        if threshold is not None and not found and not any(c.comparable for c in cells):
             raise ValueError(f"{run.label}: no cell is comparable with {runs[0].label}, so --fail-on cannot check anything")
         prefix = f"{run.label}: " if len(pairs) > 1 else ""
-        failures += [prefix + why for why in (regressions(cells, threshold) if threshold is not None else [])]
+        failures += [prefix + why for why in found]
     if args.json:
         print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures), indent=2))
     else:
@@ -372,12 +405,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from embbench.compare import load_runs
     from embbench.html_report import check_writable, write_report
 
     out = Path(args.out)
     check_writable(out)  # before the work, not after it
-    runs = load_runs(args.runs)
+    runs = _load_runs(args.runs)
     write_report(runs, out)
     console.print(f"report: {escape(str(out))} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)")
     return 0
@@ -511,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     strategies = sub.add_parser("strategies", help="list installed strategies, their parameters, and whether they run here")
     strategies.set_defaults(func=cmd_strategies)
     show = sub.add_parser("show", help="print the comparison table of a (partial) run")
-    show.add_argument("results", help="a run directory or one record file")
+    show.add_argument("results", nargs="+", help="run directories or record files (each cell of a scenario listed once)")
     export = show.add_mutually_exclusive_group()
     export.add_argument("--csv", action="store_true", help="one row per cell, flat columns, for spreadsheets")
     export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")

@@ -110,13 +110,14 @@ def flat_row(record: Record) -> dict[str, Any]:
 
 def flat_rows(records: list[Record]) -> list[dict[str, Any]]:
     """:func:`flat_row` of each record, with ``speedup``: its throughput over the baseline's
-    at the same world size (None without a measured baseline)."""
-    base = {r.world_size: r.metrics["throughput"]["mean"] for r in records
+    of the same scenario at the same world size (None without a measured baseline)."""
+    base = {(r.scenario["digest"], r.world_size): r.metrics["throughput"]["mean"] for r in records
             if r.strategy == r.baseline and r.status == "ok" and r.metrics}
     rows = []
     for r in records:
         row = flat_row(r)
-        if "throughput" in row and base.get(r.world_size):
-            row["speedup"] = row["throughput"] / base[r.world_size]
+        key = (r.scenario["digest"], r.world_size)
+        if "throughput" in row and base.get(key):
+            row["speedup"] = row["throughput"] / base[key]
         rows.append(row)
     return rows

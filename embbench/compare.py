@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from embbench.columns import flat_row, get, gpu_names
-from embbench.results import Record, load_records
+from embbench.results import Record, RecordError, by_scenario, load_records, scenario_differences
+from embbench.scenario import cell_slug
 
 __all__ = [
     "ALPHA", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
@@ -100,14 +101,35 @@ class CellComparison:
 class Run:
     path: Path
     records: list[Record]
+    #: the files left out, each with why (``RecordError.path`` names the file)
+    damaged: list[RecordError] = field(default_factory=list)
 
     @property
     def label(self) -> str:
         return str(self.path)
 
+    def damaged_cell(self, cell_id: str) -> RecordError | None:
+        """The error of this run's record file of ``cell_id`` (``<slug>.json``), if it was left out."""
+        name = f"{cell_slug(cell_id)}.json"
+        return next((e for e in self.damaged if e.path is not None and e.path.name == name), None)
 
-def load_runs(paths: list[str | Path]) -> list[Run]:
-    """Each path's records; a path that is not a run, or one given twice, is a ValueError."""
+
+def _one_scenario(path: Path, records: list[Record]) -> None:
+    """A run directory's tables need one scenario: say which are mixed in it, and how they differ."""
+    groups = by_scenario(records)
+    if len(groups) > 1:
+        first = groups[0][0].scenario
+        digests = ", ".join(f"{g[0].scenario['digest'][:10]} ({len(g)} cells)" for g in groups)
+        raise ValueError(f"{path}: holds records of {len(groups)} scenarios ({digests}; "
+                         f"{scenario_differences(first, groups[1][0].scenario)}); compare, recommend and report read "
+                         f"one scenario per run directory: move the others into a directory of their own "
+                         f"(`embbench show {path}` lists them by scenario)")
+
+
+def load_runs(paths: list[str | Path], need_records: bool = True) -> list[Run]:
+    """Each path's records (damaged files left out, in ``Run.damaged``); a path that is not
+    a run, one given twice, a run holding records of more than one scenario, or (with
+    ``need_records``) one whose every record is damaged is a ValueError."""
     runs: list[Run] = []
     seen: dict[Path, str] = {}
     for given in paths:
@@ -120,12 +142,12 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         seen[key] = str(given)
         if path.is_dir() and not any(path.glob("*.json")):
             raise ValueError(f"{path}: not a run directory (no result records *.json in it)")
-        records = load_records(path)
-        ids = [r.cell_id for r in records]
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        if twice:
-            raise ValueError(f"{path}: holds the same cell twice: {', '.join(twice)}")
-        runs.append(Run(path, records))
+        damaged: list[RecordError] = []
+        records = load_records(path, on_damaged=damaged.append)  # a cell recorded twice is kept once
+        if not records and need_records:
+            raise ValueError(f"{path}: no usable records (every one is damaged: {damaged[0]})")
+        _one_scenario(path, records)
+        runs.append(Run(path, records, damaged))
     return runs
 
 
@@ -226,12 +248,19 @@ def compare_runs(runs: list[Run], alpha: float = ALPHA) -> list[tuple[Run, list[
     return [(run, compare_records(runs[0].records, run.records, alpha)) for run in runs[1:]]
 
 
-def regressions(cells: list[CellComparison], threshold: float) -> list[str]:
+def regressions(cells: list[CellComparison], threshold: float, candidate: Run | None = None) -> list[str]:
     """Why a regression gate fails: a cell whose throughput dropped by more than
     ``threshold`` (a fraction) with a significant change in step times, or a cell that ran
-    in the baseline and failed (error, oom, timeout, ...) in the candidate."""
+    in the baseline and failed (error, oom, timeout, ...) in the candidate, or is missing
+    from it, or whose record there is damaged (a non-finite figure included: ``candidate``
+    says which files were left out)."""
     out = []
     for cell in cells:
+        if cell.status_before == "ok" and cell.status_after is None:
+            damaged = candidate.damaged_cell(cell.cell_id) if candidate else None
+            why = f"its record is damaged ({damaged})" if damaged else "missing from the candidate run"
+            out.append(f"{cell.cell_id}: {why}")
+            continue
         if cell.status_before == "ok" and cell.status_after is not None and cell.status_after not in _NOT_FAILED:
             out.append(f"{cell.cell_id}: was ok, now {cell.status_after}")
             continue

@@ -22,13 +22,16 @@ from typing import Any, Callable
 
 import torch
 
+from pydantic import ValidationError
+
 from embbench.device import resolve_device
-from embbench.results import Record, RecordError, Status, provenance, read_record, write_record
+from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
+                              schema_error, write_record)
 from embbench.scenario import Cell, Scenario
 from embbench.strategy import RuntimeEnv, Unsupported
 
-__all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "reusable_records", "run_cells",
-           "run_isolated"]
+__all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "other_scenario", "reusable_records",
+           "run_cells", "run_isolated", "scenario_info"]
 
 #: How long the other ranks may live on after one rank failed (they may be stuck in a collective).
 _PEER_GRACE_S = 10.0
@@ -202,6 +205,38 @@ def reusable_records(out_dir: Path, scenario: Scenario, weights_dir: Path | None
     return done
 
 
+def scenario_info(scenario: Scenario, scenario_file: str) -> dict[str, Any]:
+    """A record's ``scenario``: the effective scenario its cell ran with."""
+    return {"name": scenario.name, "file": scenario_file, "digest": scenario.digest(),
+            "config": scenario.model_dump(mode="json")}
+
+
+def other_scenario(out_dir: Path, scenario: Scenario, scenario_file: str) -> str | None:
+    """Why ``out_dir`` cannot take this scenario's records: it holds records of another
+    effective scenario (other --steps, --scale or edits), named with both digests and what
+    differs; None when it holds none (damaged records are left to ``--resume`` to rerun)."""
+    if not out_dir.is_dir() or not any(out_dir.glob("*.json")):
+        return None
+    mine = scenario_info(scenario, scenario_file)
+    others = [r for r in load_records(out_dir, on_damaged=lambda e: None) if r.scenario["digest"] != mine["digest"]]
+    if not others:
+        return None
+    digests = sorted({r.scenario["digest"][:10] for r in others})
+    return (f"--out {out_dir}: holds {len(others)} record(s) of another scenario (digest {', '.join(digests)}; this "
+            f"run's is {mine['digest'][:10]}): {scenario_differences(others[0].scenario, mine)}. A run directory holds "
+            "one scenario: give another --out, or move those records away")
+
+
+def _new_record(**fields: Any) -> Record:
+    """The record of a cell that just ran; measurements that fail the schema (a non-finite
+    number, say) make it an ``error`` naming the field, never a record that cannot be read."""
+    try:
+        return Record(**fields)
+    except ValidationError as e:
+        return Record(**{**fields, "status": "error", "metrics": None,
+                         "message": f"its measurements fail the record schema: {schema_error(e)}"})
+
+
 class RecordsNotWritten(RuntimeError):
     """Some records could not be written (disk full, directory gone); ``records`` holds every
     cell's record, the files written before are kept."""
@@ -261,8 +296,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     if done is None:
         done = reusable_records(out_dir, scenario, weights_dir if compare else None, notice) if resume else {}
     write_errors: list[str] = []
-    scenario_info = {"name": scenario.name, "file": scenario_file, "digest": scenario.digest(),
-                     "config": scenario.model_dump(mode="json")}
+    info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
     records = []
     for cell in cells:
@@ -272,10 +306,10 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             if on_start:
                 on_start(cell)
             outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
-            record = Record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
-                            status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
-                            baseline=scenario.baseline, scenario=scenario_info, metrics=outcome.metrics,
-                            provenance=provenance(cell.strategy))
+            record = _new_record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
+                                 status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
+                                 baseline=scenario.baseline, scenario=info, metrics=outcome.metrics,
+                                 provenance=provenance(cell.strategy))
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             if cell.strategy == scenario.baseline and baseline_record is None:
                 baseline_record = record
@@ -292,9 +326,10 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
         if write:
             try:
                 write_record(out_dir, cell.slug, record)
-            except OSError as e:  # disk full, directory removed: told once, the other cells still run
+            except (OSError, RecordError) as e:  # disk full, directory removed: told once, the other cells still run
                 if not write_errors:
-                    notice(f"cannot write {out_dir / cell.slug}.json: {e.strerror or e}")
+                    notice(f"cannot write {out_dir / cell.slug}.json: {e.strerror or e}" if isinstance(e, OSError)
+                           else str(e))  # a RecordError names the file and the field
                 write_errors.append(cell.id)
         records.append(record)
         if on_done:

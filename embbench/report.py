@@ -74,7 +74,7 @@ RESULT_COLUMNS = [
 ]
 
 
-def _row(r: Record, baseline_rate: dict[int, float]) -> Row:
+def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     """A cell's numbers as text, and the raw numbers the HTML table sorts by."""
     row = Row({"cell": Text(r.cell_id), "status": Text(r.status, style=_STATUS_STYLE.get(r.status, "")),
                "ranks": str(r.world_size)},
@@ -85,7 +85,7 @@ def _row(r: Record, baseline_rate: dict[int, float]) -> Row:
     step = m["step_time_s"]
     ci = m["throughput"]["ci95"]
     rate = m["throughput"]["mean"]
-    base = baseline_rate.get(r.world_size)
+    base = baseline_rate.get((r.scenario["digest"], r.world_size))
     per_step = _get(m, "counters", "per_step") or {}
     mem = m["memory"]
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
@@ -127,8 +127,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     """One row per cell: speed against the baseline, memory, accuracy, cache counters."""
     baseline_name = records[0].baseline if records else None
     records = sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
-    baseline_rate = {
-        r.world_size: r.metrics["throughput"]["mean"]
+    baseline_rate = {  # never across scenarios: a record's speedup is against its own scenario's baseline
+        (r.scenario["digest"], r.world_size): r.metrics["throughput"]["mean"]
         for r in records if r.strategy == baseline_name and r.status == "ok"
     }
     notes = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -17,21 +18,222 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator, with_config
+from pydantic_core import PydanticCustomError
+from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 from embbench import buildinfo
 
-__all__ = ["SCHEMA_VERSION", "Record", "RecordError", "Status", "code_version", "environment", "provenance",
-           "read_record", "relevant_packages", "write_record", "load_records"]
+__all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
+           "load_records", "provenance", "read_record", "relevant_packages", "scenario_differences", "schema_error",
+           "write_record"]
 
 SCHEMA_VERSION = 1
 Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
 
+# The measured figures: strict (a string or a bool is not a number) and finite.
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
+Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0)]
+Rate = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
+Count = Annotated[int, Field(strict=True, ge=0)]
+PositiveCount = Annotated[int, Field(strict=True, gt=0)]
+Bytes = Count
+
+
+def _ordered_interval(ci: tuple[float, float] | None) -> tuple[float, float] | None:
+    if ci is not None and ci[0] > ci[1]:
+        raise PydanticCustomError("interval", "low end {low} above high end {high}", {"low": ci[0], "high": ci[1]})
+    return ci
+
+
+# Every part of a record is open to keys it does not know (a newer embbench may add some); the
+# keys it declares are checked. NotRequired: a key older records may lack, or one only some
+# strategies or runs write; the readers treat its absence as "not measured".
+_open = with_config(ConfigDict(extra="allow"))
+
+
+@_open
+class StepTimes(TypedDict):
+    """Seconds per measured step (:func:`embbench.metrics.summarize`)."""
+
+    n: PositiveCount
+    min: Positive
+    max: Positive
+    mean: Positive
+    median: Positive
+    p95: Positive
+    stddev: NonNegative
+    iqr: NonNegative
+    samples: Annotated[list[Positive], Field(min_length=1)]
+
+
+@_open
+class Throughput(TypedDict):
+    """Samples per second over all ranks, per repeat and their mean."""
+
+    unit: NotRequired[str]
+    per_repeat: Annotated[list[Positive], Field(min_length=1)]
+    mean: Positive
+    #: the 95% confidence interval [low, high] of the mean; None: fewer than two repeats, or no scipy
+    ci95: Annotated[tuple[Finite, Finite] | None, AfterValidator(_ordered_interval)]
+    ci95_missing: NotRequired[str]  # why there is no interval (scipy missing)
+
+
+@_open
+class MemoryFigures(TypedDict):
+    """Bytes of one rank (or of all ranks: ``Memory.sum``); peaks are None where not measured (CPU)."""
+
+    static_device_bytes: Bytes
+    static_host_bytes: Bytes
+    pinned_bytes: Bytes
+    peak_rss_bytes: NotRequired[Bytes | None]
+    peak_allocated_bytes: NotRequired[Bytes | None]
+    peak_reserved_bytes: NotRequired[Bytes | None]
+
+
+@_open
+class Memory(MemoryFigures):
+    """The largest rank's figures, and (``sum``) all ranks' together; without ``sum``, one rank."""
+
+    sum: NotRequired[MemoryFigures]
+
+
+@_open
+class Accuracy(TypedDict):
+    train_loss_last10: NotRequired[NonNegative]
+    auc: NotRequired[Rate | None]
+    logloss: NotRequired[NonNegative | None]
+    eval_samples: NotRequired[Count]
+
+
+@_open
+class Counters(TypedDict):
+    """The strategy's counters over the measured steps (``total``) and per step, and the hit
+    rates derived from them (None: the strategy counts no hits)."""
+
+    total: dict[str, NonNegative]
+    per_step: NotRequired[dict[str, NonNegative]]
+    hit_rate: NotRequired[Rate | None]
+    unique_hit_rate: NotRequired[Rate | None]
+
+
+@_open
+class Extra(TypedDict):
+    """A strategy's own figures; those the tables read are checked."""
+
+    belady_hit_rate: NotRequired[Rate | None]
+    belady_unique_hit_rate: NotRequired[Rate | None]
+    window_hit_rate: NotRequired[Rate | None]
+    window_unique_hit_rate: NotRequired[Rate | None]
+    capacity_rows: NotRequired[Count | None]
+
+
+@_open
+class ProfiledOp(TypedDict):
+    op: str
+    calls: NonNegative
+    self_cpu_us: NonNegative
+    self_device_us: NonNegative
+
+
+@_open
+class Profile(TypedDict):
+    trace: NotRequired[str]
+    steps: NotRequired[PositiveCount]
+    top_host: NotRequired[list[ProfiledOp]]
+    top_device: NotRequired[list[ProfiledOp]]
+
+
+@_open
+class RankMetrics(TypedDict):
+    """One rank of a multi-rank cell."""
+
+    rank: Count
+    memory: MemoryFigures
+    counters: dict[str, NonNegative]
+    measured_seconds: NotRequired[Positive]  # absent in records older than the projection's use of it
+    extra: NotRequired[dict[str, Any]]
+    hit_rate: NotRequired[Rate | None]
+    unique_hit_rate: NotRequired[Rate | None]
+
+
+@_open
+class Metrics(TypedDict):
+    """What an ``ok`` cell measured (:func:`embbench.runner.run_cell`)."""
+
+    device: str
+    world_size: PositiveCount
+    samples_per_step: PositiveCount
+    measured_steps: PositiveCount
+    warmup_steps: Count
+    warmup_steps_run: NotRequired[Count]  # absent before warm-up could run on: then warmup_steps
+    warmup_miss_rates: NotRequired[list[Rate | None]]
+    build_seconds: NotRequired[NonNegative]
+    step_time_s: StepTimes
+    throughput: Throughput
+    generator_samples_per_s: NotRequired[Positive]
+    generator_cuda_graph: NotRequired[bool | None]
+    ops_per_step: NotRequired[NonNegative]
+    host_syncs_per_step: NotRequired[NonNegative | None]  # None: not counted (CPU)
+    schedule: NotRequired[str]
+    profile: NotRequired[Profile | None]
+    memory: Memory
+    accuracy: NotRequired[Accuracy]
+    counters: Counters
+    extra: NotRequired[Extra]
+    per_rank: NotRequired[Annotated[list[RankMetrics], Field(min_length=1)] | None]  # None: one rank
+    weights_file: NotRequired[str | None]
+    max_weight_diff_vs_baseline: NotRequired[NonNegative]
+    weights_not_compared: NotRequired[str]  # why max_weight_diff_vs_baseline is absent
+
+
+@_open
+class ScenarioInfo(TypedDict):
+    """The effective scenario a record was made with."""
+
+    name: str
+    digest: Annotated[str, Field(min_length=1)]
+    file: NotRequired[str]
+    config: NotRequired[dict[str, Any]]  # the scenario itself (``project`` and the what-differs messages read it)
+
+
+@_open
+class Devices(TypedDict):
+    cpu: NotRequired[str | None]
+    cpu_count: NotRequired[PositiveCount | None]
+    gpus: NotRequired[list[dict[str, Any] | str]]  # older records hold the names alone
+
+
+@_open
+class Provenance(TypedDict):
+    """Where, when and with what a record was made (:func:`provenance`); all of it optional,
+    as records of older versions hold less."""
+
+    date: NotRequired[str]
+    command: NotRequired[str]
+    host: NotRequired[str]
+    git: NotRequired[dict[str, Any] | None]
+    versions: NotRequired[dict[str, Any]]
+    packages: NotRequired[dict[str, Any]]
+    system: NotRequired[dict[str, Any]]
+    devices: NotRequired[Devices]
+
+
+def _record_error(key: str, message: str) -> PydanticCustomError:
+    """An error of one field, raised from the record's own validator (pydantic would name only the record)."""
+    return PydanticCustomError("record_field", "{key}: {message}", {"key": key, "message": message})
+
 
 class Record(BaseModel):
-    """One cell's result. ``metrics`` is None unless the status is ``ok``."""
+    """One cell's result: the one schema of a record, checked when it is made (so a record that
+    would not validate is never written) and when it is read (:func:`read_record`).
+
+    ``metrics`` is what an ``ok`` cell measured and is None for every other status, whose
+    ``message`` says why.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -39,15 +241,45 @@ class Record(BaseModel):
     cell_id: str
     strategy: str
     params: dict[str, Any]
-    world_size: int
+    world_size: PositiveCount
     status: Status
     message: str | None = None
     #: ``exact``: weights comparable with the baseline's; ``reordered``: compare by accuracy.
     semantics: Literal["exact", "reordered"] = "exact"
     baseline: str
-    scenario: dict[str, Any]
-    metrics: dict[str, Any] | None = None
-    provenance: dict[str, Any]
+    scenario: ScenarioInfo
+    metrics: Metrics | None = None
+    provenance: Provenance
+
+    @model_validator(mode="before")
+    @classmethod
+    def _standard_json(cls, data: Any) -> Any:
+        """No NaN or infinity anywhere (JSON has none; Python's json reads and writes them)."""
+        def check(value: Any, key: str) -> None:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _record_error(key, f"{value} is not a finite number")
+            items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+            for k, v in items:
+                check(v, f"{key}.{k}" if key else str(k))
+
+        check(data, "")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Record":
+        from embbench.scenario import Cell
+
+        expected = Cell(self.strategy, self.params, self.world_size).id
+        if self.cell_id != expected:
+            raise _record_error("cell_id", f"{self.cell_id!r} does not match its strategy, params and world_size "
+                                           f"(which make {expected!r})")
+        if self.status == "ok" and self.metrics is None:
+            raise _record_error("metrics", "status ok without its measurements")
+        if self.status != "ok" and self.metrics is not None:
+            raise _record_error("metrics", f"measurements in a record of status {self.status} (only ok has them)")
+        if self.status != "ok" and not (self.message or "").strip():
+            raise _record_error("message", f"status {self.status} without its reason")
+        return self
 
 
 def _version(package: str) -> str | None:
@@ -186,18 +418,24 @@ def provenance(strategy: str | None = None) -> dict[str, Any]:
 
 
 def write_record(directory: Path, slug: str, record: Record) -> Path:
-    """Write ``<slug>.json`` atomically (a reader never sees half a file).
+    """Write ``<slug>.json`` atomically (a reader never sees half a file), after checking the
+    record against the schema once more (its metrics may have been added to since it was made).
 
     Raises:
+        RecordError: the record does not validate; nothing is written.
         OSError: the directory cannot be written (disk full, read-only, ...); no partial
             file is left behind and an earlier record of the cell is kept.
     """
+    try:
+        text = Record.model_validate(record.model_dump()).model_dump_json(indent=2)
+    except ValidationError as e:
+        raise RecordError(f"{directory / slug}.json: not written: {schema_error(e)}") from None
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{slug}.json"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{slug}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(record.model_dump_json(indent=2))
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())  # a full disk shows here, not after the rename
         os.replace(tmp, path)
@@ -208,37 +446,30 @@ def write_record(directory: Path, slug: str, record: Record) -> Path:
 
 
 class RecordError(ValueError):
-    """A record file that cannot be used (damaged, foreign, incomplete); the message names it."""
+    """A record file that cannot be used (damaged, foreign, incomplete); the message names it,
+    and :func:`load_records` sets ``path`` (so a reader can tell which cell's file it was)."""
+
+    path: Path | None = None
 
 
-#: What the tables and projections read of an ``ok`` record (key: its keys); without them it is damaged.
-_OK_METRICS: dict[str, tuple[str, ...]] = {
-    "step_time_s": ("median", "p95"), "throughput": ("mean", "ci95"),
-    "memory": ("static_device_bytes", "static_host_bytes", "pinned_bytes"), "counters": ("total",),
-    "measured_steps": (), "samples_per_step": (),
-}
-
-
-def _missing_metrics(metrics: Any) -> list[str]:
-    if not isinstance(metrics, dict):
-        return ["all"]
-    missing = []
-    for key, inner in _OK_METRICS.items():
-        if key not in metrics:
-            missing.append(key)
-        elif inner and not isinstance(metrics[key], dict):
-            missing.append(f"{key} (not a mapping)")
-        else:
-            missing += [f"{key}.{k}" for k in inner if k not in metrics[key]]
-    return missing
+def schema_error(e: ValidationError) -> str:
+    """The first thing wrong, as ``key.path: what`` (how many more there are, if any)."""
+    errors = e.errors()
+    first = errors[0]
+    if first["type"] == "record_field":  # raised by Record's own validator: the key is in the message
+        text = first["msg"]
+    else:
+        key = ".".join(str(p) for p in first["loc"]) or "record"
+        text = f"{key}: {first['msg']}"
+    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
 
 
 def read_record(path: Path) -> Record:
-    """One record file, checked.
+    """One record file, checked against the schema (:class:`Record`).
 
     Raises:
         RecordError: naming the file and what is wrong (unreadable, not JSON, not a record,
-            another schema version, an ``ok`` record without its measurements).
+            another schema version, the first field that fails the schema, by its key path).
     """
     if not path.is_file():  # a FIFO would block, a device never end
         raise RecordError(f"{path}: not a regular file")
@@ -250,6 +481,8 @@ def read_record(path: Path) -> Record:
         raise RecordError(f"{path}: not UTF-8 text; not a result record") from None
     except json.JSONDecodeError as e:
         raise RecordError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    except RecursionError:
+        raise RecordError(f"{path}: nested too deeply; not a result record") from None
     if not isinstance(data, dict):
         raise RecordError(f"{path}: a JSON {type(data).__name__}, not a result record (an object)")
     if data.get("schema_version") != SCHEMA_VERSION:
@@ -257,40 +490,83 @@ def read_record(path: Path) -> Record:
     try:
         record = Record.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "record"
-        raise RecordError(f"{path}: {key}: {first['msg']}") from None
-    missing = _missing_metrics(record.metrics) if record.status == "ok" else []
-    if missing:
-        raise RecordError(f"{path}: status ok without its measurements (metrics: missing {', '.join(missing)})")
+        raise RecordError(f"{path}: {schema_error(e)}") from None
     return record
 
 
-def load_records(path: Path, on_damaged: Callable[[RecordError], None] | None = None) -> list[Record]:
-    """Every record of a run directory (or one record file).
+def load_records(paths: Path | list[Path], on_damaged: Callable[[RecordError], None] | None = None) -> list[Record]:
+    """Every record of one or more run directories (or record files), each checked
+    (:func:`read_record`); the one way records are read.
+
+    A file given twice (a run named twice) is read once, and a cell recorded twice for the
+    same scenario is kept once (the first file by name); the other copy is told to
+    ``on_damaged`` when it differs.
 
     Args:
         on_damaged: called with the error of each file that cannot be used, which is then
-            skipped; None raises it.
+            left out; None raises it.
 
     Raises:
-        FileNotFoundError: nothing there, or no records in the directory.
+        FileNotFoundError: nothing there, or no records in a directory.
         RecordError: a damaged record (without ``on_damaged``).
     """
-    if path.is_dir():
-        files = sorted(path.glob("*.json"))
-    elif path.exists():
-        files = [path]
-    else:
-        raise FileNotFoundError(f"{path}: no result records here (no such run directory or record file)")
-    if not files:
-        raise FileNotFoundError(f"{path}: no result records (*.json) here")
-    records = []
+    files: list[Path] = []
+    for path in [paths] if isinstance(paths, Path) else paths:
+        if path.is_dir():
+            found = sorted(path.glob("*.json"))
+        elif path.exists():
+            found = [path]
+        else:
+            raise FileNotFoundError(f"{path}: no result records here (no such run directory or record file)")
+        if not found:
+            raise FileNotFoundError(f"{path}: no result records (*.json) here")
+        files += found
+    records: dict[tuple[str, str], tuple[Record, Path]] = {}
+    seen: set[Path] = set()
     for f in files:
+        if f.resolve() in seen:
+            continue
+        seen.add(f.resolve())
         try:
-            records.append(read_record(f))
+            record = read_record(f)
+            key = (record.cell_id, record.scenario["digest"])
+            first, first_file = records.setdefault(key, (record, f))
+            if first is not record and first != record:
+                raise RecordError(f"{f}: holds {record.cell_id} of the same scenario as {first_file} "
+                                  "and differs from it; left out (compare them with `embbench compare`)")
         except RecordError as e:
+            e.path = f
             if on_damaged is None:
                 raise
             on_damaged(e)
-    return records
+    return [record for record, _ in records.values()]
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, inner in value.items() for k, v in _flatten(inner, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, inner in enumerate(value) for k, v in _flatten(inner, f"{prefix}{i}.").items()} \
+            or {prefix.rstrip("."): []}
+    return {prefix.rstrip("."): value}
+
+
+def scenario_differences(a: dict[str, Any], b: dict[str, Any], limit: int = 4) -> str:
+    """What differs between two records' scenarios (``scenario`` of each), as
+    ``key: a vs b; ...`` over their configs, or by digest where a record holds no config."""
+    if not a.get("config") or not b.get("config"):
+        return f"digest {a['digest'][:10]} vs {b['digest'][:10]} (a record holds no scenario config to say what differs)"
+    left, right = _flatten(a["config"]), _flatten(b["config"])
+    keys = sorted(k for k in set(left) | set(right) if left.get(k, "(none)") != right.get(k, "(none)"))
+    if not keys:
+        return f"digest {a['digest'][:10]} vs {b['digest'][:10]} (the configs agree: another embbench's digest?)"
+    shown = [f"{k}: {left.get(k, '(none)')} vs {right.get(k, '(none)')}" for k in keys[:limit]]
+    return "; ".join(shown) + (f"; and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def by_scenario(records: list[Record]) -> list[list[Record]]:
+    """The records grouped by scenario digest, in the order each scenario first appears."""
+    groups: dict[str, list[Record]] = {}
+    for r in records:
+        groups.setdefault(r.scenario["digest"], []).append(r)
+    return list(groups.values())

@@ -27,7 +27,7 @@ from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.precision import DENSE_PRECISIONS, DensePrecision
 from embbench.strategy import Strategy, get_strategy
 
-__all__ = ["Cell", "Scenario", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
+__all__ = ["Cell", "Scenario", "cell_slug", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
 
 
 class ScenarioError(ValueError):
@@ -230,6 +230,11 @@ class Scenario(_Strict):
         return bool(self.run.compare_weights)
 
 
+def cell_slug(cell_id: str) -> str:
+    """A cell id as a file name (its record is ``<slug>.json``)."""
+    return "".join(c if c.isalnum() or c in "-_.=@," else "_" for c in cell_id)
+
+
 @dataclass(frozen=True)
 class Cell:
     """One measurement: a strategy with concrete parameters at one world size."""
@@ -246,7 +251,7 @@ class Cell:
     @property
     def slug(self) -> str:
         """The id as a file name."""
-        return "".join(c if c.isalnum() or c in "-_.=@," else "_" for c in self.id)
+        return cell_slug(self.id)
 
     def strategy_class(self) -> type[Strategy]:
         return get_strategy(self.strategy)

@@ -49,6 +49,8 @@ def make_record(strategy: str = "device", params: dict | None = None, world_size
             "weights_file": None,
             **metric_overrides,
         }
+    if status != "ok" and message is None:
+        message = f"{status} (a test record)"  # every status but ok says why
     return Record(cell_id=cell.id, strategy=strategy, params=params or {}, world_size=world_size, status=status,
                   message=message, baseline=baseline,
                   scenario={"name": "smoke", "file": "scenarios/smoke.yaml", "digest": digest, "config": {}},

@@ -204,7 +204,11 @@ def test_compare_fail_on_exits_1_on_a_significant_drop_and_0_within_the_threshol
     assert main(["compare", str(base), str(slower), "--fail-on", "5%"]) == 1
     assert "regression beyond 5%" in capsys.readouterr().out
     assert main(["compare", str(base), str(slower), "--fail-on", "20%"]) == 0
-    assert main(["compare", str(base), str(base / "device@w1.json"), "--fail-on", "1%"]) == 0
+    assert main(["compare", str(base / "device@w1.json"), str(base), "--fail-on", "1%"]) == 0
+    capsys.readouterr()
+    # a cell of the baseline that the candidate lacks fails the gate (issue 28)
+    assert main(["compare", str(base), str(base / "device@w1.json"), "--fail-on", "1%"]) == 1
+    assert "cpu@w1: missing from the candidate run" in capsys.readouterr().out
 
 
 def test_compare_json(runs, capsys):
@@ -229,7 +233,7 @@ def test_compare_says_what_is_not_comparable(runs, capsys):
     out = capsys.readouterr().out
     assert "not comparable" in out and "gpus: ['NVIDIA H100 80GB HBM3'] vs ['NVIDIA H200']" in out
     # a gate that can check nothing does not pass silently
-    assert main(["compare", str(base), str(elsewhere), "--fail-on", "5%"]) == 2
+    assert main(["compare", str(base / "device@w1.json"), str(elsewhere), "--fail-on", "5%"]) == 2
     assert "no cell is comparable" in capsys.readouterr().err
 
 
@@ -256,22 +260,24 @@ def test_a_run_given_twice(runs, capsys):
     assert "given twice" in _error(["compare", str(base), str(base.parent / ".." / base.parent.name / "base")], capsys)
 
 
-def test_records_of_another_schema_version(tmp_path, runs, capsys):
-    data = json.loads((runs[0] / "device@w1.json").read_text())
-    data["schema_version"] = 99
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "device@w1.json").write_text(json.dumps(data))
-    err = _error(["compare", str(runs[0]), str(tmp_path / "old")], capsys)
-    assert "device@w1.json: schema_version 99, expected 1" in err
-
-
-def test_a_record_that_is_not_one(tmp_path, runs, capsys):
-    data = json.loads((runs[0] / "device@w1.json").read_text())
-    del data["cell_id"]
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: data.update(schema_version=99), "schema_version 99, expected 1"),
+    (lambda data: data.pop("cell_id"), "cell_id: Field required"),
+], ids=["other-schema", "no-cell-id"])
+def test_a_damaged_candidate_record_is_named_left_out_and_fails_the_gate(tmp_path, runs, capsys, damage, reason):
     (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "device@w1.json").write_text(json.dumps(data))
-    assert "device@w1.json: cell_id: Field required" in _error(
-        ["compare", str(runs[0]), str(tmp_path / "broken")], capsys)
+    for name in ("device@w1.json", "cpu@w1.json"):
+        data = json.loads((runs[0] / name).read_text())
+        if name == "device@w1.json":
+            damage(data)
+        (tmp_path / "broken" / name).write_text(json.dumps(data))
+    path = tmp_path / "broken" / "device@w1.json"
+    assert main(["compare", str(runs[0]), str(tmp_path / "broken")]) == 0
+    out, err = capsys.readouterr()
+    assert err == f"warning: {path}: {reason}; skipped\n" and "only in A" in out
+    assert main(["compare", str(runs[0]), str(tmp_path / "broken"), "--fail-on", "5%"]) == 1
+    out = capsys.readouterr().out
+    assert f"device@w1: its record is damaged ({path}: {reason})" in out.replace("\n", "")
 
 
 def test_a_malformed_threshold(runs, capsys):

@@ -29,6 +29,7 @@ from embbench.runner import Diverged, _classify, run_cell
 from embbench.scenario import Cell, ScenarioError, load_scenario, parse_scenario
 from embbench.strategy import RuntimeEnv, broken_strategies, get_strategy, load_strategies
 from tests.conftest import _install_plugin, tiny_scenario
+from tests.record_factory import make_record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,14 +55,12 @@ def _one_clean_line(err: str) -> str:
 
 
 def _ok_metrics(**extra) -> dict:
-    return {"step_time_s": {"median": 0.01, "p95": 0.012}, "throughput": {"mean": 100.0, "ci95": [90.0, 110.0], "per_repeat": [100.0]},
-            "memory": {"static_device_bytes": 0, "static_host_bytes": 0, "pinned_bytes": 0}, "counters": {"total": {}},
-            "measured_steps": 3, "samples_per_step": 64, "warmup_steps": 1, **extra}
+    return {**make_record().metrics, **extra}
 
 
 def _record(scenario, cell: Cell, status: str = "ok", metrics: dict | None = None, digest: str | None = None) -> Record:
     return Record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
-                  status=status, baseline=scenario.baseline,
+                  status=status, message=None if status == "ok" else f"{status} (a test record)", baseline=scenario.baseline,
                   scenario={"name": scenario.name, "file": "t", "digest": digest or scenario.digest(),
                             "config": scenario.model_dump(mode="json")},
                   metrics=metrics if metrics is not None else (_ok_metrics() if status == "ok" else None),
@@ -215,7 +214,7 @@ def tiny():
     ('{"schema_version": 99}', "schema_version 99, expected 1"),
     ('{"schema_version": 1, "cell_id": 3}', "cell_id: Input should be a valid string"),
     ("OK_NULL_METRICS", "status ok without its measurements"),
-    ("OK_EMPTY_METRICS", "status ok without its measurements (metrics: missing step_time_s"),
+    ("OK_EMPTY_METRICS", "metrics.device: Field required"),
 ], ids=["json-list", "not-json", "not-utf8", "other-schema", "pydantic", "ok-null-metrics", "ok-empty-metrics"])
 def test_a_damaged_record_is_named_by_show_and_project(tmp_path, capsys, tiny, content, expected):
     scenario, cells = tiny
@@ -279,7 +278,7 @@ def test_resume_reruns_damaged_stale_and_unsupported_cells_naming_them(tmp_path,
     done = reusable_records(tmp_path, scenario, weights, notes.append)
     assert set(done) == {cells[0].id}
     assert any(n.startswith(f"{weights / 'truncated.pt'}: flushed weights missing or damaged") for n in notes)
-    assert any(n.startswith(f"{tmp_path / 'nulls.json'}: status ok without its measurements") for n in notes)
+    assert any(n.startswith(f"{tmp_path / 'nulls.json'}: metrics: status ok without its measurements") for n in notes)
     assert any("1 record(s) were made with another scenario" in n and "stale.json" in n for n in notes)
 
 

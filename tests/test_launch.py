@@ -5,9 +5,10 @@ import json
 import pytest
 
 from embbench.launch import run_cells
-from embbench.results import Record, load_records, write_record
+from embbench.results import load_records, write_record
 from embbench.scenario import parse_scenario
 from tests.conftest import tiny_scenario
+from tests.record_factory import make_record
 
 
 def test_a_failing_and_a_hanging_cell_are_recorded_and_the_next_cell_runs(tmp_path, plugin_path):
@@ -38,11 +39,7 @@ def test_resume_skips_finished_cells(tmp_path):
 
 
 def test_a_record_round_trips_through_json(tmp_path):
-    metrics = {"step_time_s": {"median": 0.1, "p95": 0.2}, "throughput": {"mean": 1.0, "ci95": None},
-               "memory": {"static_device_bytes": 0, "static_host_bytes": 0, "pinned_bytes": 0},
-               "counters": {"total": {}}, "measured_steps": 3, "samples_per_step": 8}
-    record = Record(cell_id="x@w1", strategy="x", params={"a": 0.5}, world_size=1, status="ok", baseline="x",
-                    scenario={"name": "s"}, metrics=metrics, provenance={"git": None})
+    record = make_record("x", {"a": 0.5}, baseline="x", provenance={"git": None})
     path = write_record(tmp_path, "x", record)
     assert load_records(path) == [record]
     assert json.loads(path.read_text())["schema_version"] == 1
