@@ -44,7 +44,7 @@ class FreqCacheParams(StrategyParams):
     cache_ratio: float = Field(0.015, gt=0, le=1, description="share of all rows held on the device")
     policy: Literal["static", "lfu"] = Field("lfu", description="frequencies from the profile only, or counted as training goes")
     admission: Literal["all", "tinylfu"] = Field("tinylfu", description="admit every missing row, or only one more frequent than its victim")
-    lookahead: int = Field(32, ge=0, description="upcoming training batches in the window: the nearer a row's next use there, the later it is evicted")
+    lookahead: int = Field(64, ge=0, description="upcoming training batches in the window: the nearer a row's next use there, the later it is evicted")
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
@@ -124,8 +124,9 @@ class FreqCache(SparseModule):
         for features in upcoming:
             known = self._numbers.get(id(features.values))
             if known is None or known[0] is not features.values:
-                rows = self.space.global_rows(features.to(self.device))
-                self._numbers[id(features.values)] = (features.values, self.planner.enter(rows))
+                with self._on_side():  # after the planner's work already queued there
+                    rows = self.space.global_rows(features.to(self.device))
+                    self._numbers[id(features.values)] = (features.values, self.planner.enter(rows))
 
     def _window_number(self, features: SparseFeatures) -> int | None:
         known = self._numbers.pop(id(features.values), None)
