@@ -188,7 +188,8 @@ def _prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False) ->
 
 
 def _stats_table(title: str, stats: list, caption: str) -> Table:
-    grid = Table(title=title, header_style="bold", caption=caption)
+    console.print(Text(title), soft_wrap=True)  # a path: one line, never wrapped into a table's width
+    grid = Table(header_style="bold", caption=caption)
     for col in ["table", "accesses", "distinct ids", "empty", "seen once", "top 1% ids' share", "Zipf alpha"]:
         grid.add_column(col, justify="right")
     for i, st in enumerate(stats):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DevicePlan", "DevicePlanner"]
+__all__ = ["DevicePlan", "DevicePlanner", "StepKind"]
 
 #: Bits of a window key that hold the batch number (the rest hold the row).
 _NUMBER_BITS = 24
@@ -61,6 +61,18 @@ COUNTERS = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "r
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What decides a device step's sequence of operations besides ``train``: whether a step
+    is running (its plan is the last one), and how the planned batch's window number follows
+    the last one (``next``: by one, as in steady state; ``set``: to ``value``; ``same``: not in
+    the window)."""
+
+    keeps_running: bool
+    number: str
+    value: int | None = None
 
 
 @dataclass
@@ -85,7 +97,7 @@ class DevicePlan:
         """The early (or late) moves, the others replaced by padding: ``(write-back slots,
         write-back rows, load slots, load rows)``."""
         mine = self.late if late else ~self.late
-        sink, pad = self.load_slots.new_tensor(self.sink), self.load_rows.new_tensor(self.pad_row)
+        sink, pad = self.sink, self.pad_row  # Python numbers: no host-to-device copy (a graph captures the ops)
         return (torch.where(mine, self.write_back_slots, sink), torch.where(mine, self.write_back_rows, pad),
                 torch.where(mine, self.load_slots, sink), torch.where(mine, self.load_rows, pad))
 
@@ -202,7 +214,8 @@ class DevicePlanner:
         return torch.where(self.map_rows[at] == rows, self.map_slots[at], self.sink)
 
     def _rebuild_map(self) -> None:
-        self.map_rows, self.map_slots = self.slot_row[: self.num_slots].sort()
+        # In place: a captured graph reads and writes the tensors it was captured with.
+        torch.sort(self.slot_row[: self.num_slots], out=(self.map_rows, self.map_slots))
 
     def _distinct(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """A batch's rows padded to ``max_ids``: its distinct rows (sorted, padded with the
@@ -232,9 +245,19 @@ class DevicePlanner:
     def enter(self, rows: Tensor) -> int:
         """A looked-ahead batch (its global rows, one per id) enters the window; returns its
         number. Pairs of batches already planned are dropped in the same pass."""
-        self.entered += 1
-        if self.entered > _NUMBER_MASK:
+        number = self.advance_entered()
+        self.device_enter(rows)
+        return number
+
+    def advance_entered(self) -> int:
+        """The host's part of :meth:`enter`: the entering batch's number."""
+        if self.entered + 1 > _NUMBER_MASK:
             raise ValueError(f"freqcache: more than {_NUMBER_MASK} look-ahead batches in one run")
+        self.entered += 1
+        return self.entered
+
+    def device_enter(self, rows: Tensor) -> None:
+        """:meth:`enter`'s device work (tensor operations only, always the same sequence)."""
         self._entered.add_(1)
         unique = self._distinct(rows)[0]
         valid = unique < self.pad_row
@@ -258,7 +281,6 @@ class DevicePlanner:
         slots = self._lookup(unique)  # the padding (the dummy row) is never resident
         known = self.slot_next[slots]
         self.slot_next.index_copy_(0, slots, torch.where(known > self._current, known, self._entered).to(torch.int32))
-        return self.entered
 
     def _next_use(self, rows: Tensor) -> Tensor:
         """Each row's next use in the window after the batch planned now (0: none)."""
@@ -278,23 +300,37 @@ class DevicePlanner:
             running: the plan of a step that may still be running: the last plan made, if any.
             number: the batch's window number if it entered the window.
         """
+        pid, step = self.advance(train, running, number)
+        return self.device_step(rows, train, step, pid)
+
+    def advance(self, train: bool, running: int | None, number: int | None) -> tuple[int, "StepKind"]:
+        """The host's part of a plan: its checks and mirrors; returns the plan's number and the
+        kind of device step that does the rest (:meth:`device_step`)."""
         pid = self.plans
-        self.plans += 1
         if pid >= torch.iinfo(torch.int32).max:
             raise ValueError("freqcache: more than 2^31 plans in one run")
         if running is not None and running != pid - 1:
             raise ValueError(f"freqcache: the running plan must be the last one made ({pid - 1}), got {running}")
-        if running is None:
-            self._running.fill_(-2)  # no plan has this number
-        else:
-            self._running.copy_(self._pid)
-        self._pid.add_(1)
+        self.plans += 1
+        self.trained += int(train)
+        next_batch = number is not None and number == self.current + 1  # always so in steady state
         if number is not None:
-            if number == self.current + 1:  # the window's next batch (always, in steady state)
-                self._current.add_(1)
-            else:
-                self._current.fill_(number)
             self.current = number
+        kind = "next" if next_batch else "set" if number is not None else "same"
+        return pid, StepKind(running is not None, kind, number if kind == "set" else None)
+
+    def device_step(self, rows: Tensor, train: bool, step: "StepKind", pid: int = -1) -> DevicePlan:
+        """A plan's device work: only tensor operations, their sequence fixed by ``train`` and
+        ``step`` (so one captured graph replays every steady-state training step)."""
+        if step.keeps_running:
+            self._running.copy_(self._pid)
+        else:
+            self._running.fill_(-2)  # no plan has this number
+        self._pid.add_(1)
+        if step.number == "next":
+            self._current.add_(1)
+        elif step.number == "set":
+            self._current.fill_(step.value)
         S, m, sink = self.num_slots, self.max_ids, self.sink
         n = len(rows)
         unique, ids, order, group = self._distinct(rows)
@@ -306,7 +342,6 @@ class DevicePlanner:
 
         outside = valid & ~cached
         if train:
-            self.trained += 1
             self._trained.add_(1)
             if self.learn:
                 self._sketch_add(unique, outside)

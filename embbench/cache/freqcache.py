@@ -49,6 +49,33 @@ class FreqCacheParams(StrategyParams):
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
     belady_steps: int = Field(64, ge=0, description="training steps recorded for the Belady bound (0: off)")
+    cuda_graph: bool = Field(True, description="on CUDA, replay the planner's steady-state step from a captured CUDA graph")
+
+
+#: Steady-state steps run eagerly before one is captured (the eager ones warm the kernels up).
+_EAGER_BEFORE_CAPTURE = 2
+
+
+class CapturedStep:
+    """A device step of fixed shapes captured as one CUDA graph (CUDA only).
+
+    Its input (a batch's rows) is copied into a static buffer before each replay; its outputs
+    live in the graph's memory, which the next replay overwrites: callers copy what they keep.
+    The step's state tensors are read and written in place, so a replay sees their current
+    values.
+    """
+
+    def __init__(self, step, length: int, fill: int, device: torch.device):
+        self.length = length
+        self.input = torch.full((length,), fill, dtype=torch.int64, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.output = step(self.input)
+
+    def __call__(self, rows: Tensor):
+        self.input.copy_(rows)
+        self.graph.replay()
+        return self.output
 
 
 @dataclass
@@ -106,6 +133,13 @@ class FreqCache(SparseModule):
         del profiled, warm
 
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        # Captured graphs of the steady-state steps ("enter", "plan"), and why there are none.
+        self._captured: dict[str, CapturedStep] = {}
+        self._eager_runs = {"enter": 0, "plan": 0}
+        self._graphs_on = self.cuda and params.cuda_graph
+        self._graph_note = ("not captured yet" if self._graphs_on else
+                            "off: not on CUDA" if not self.cuda else "off: cuda_graph is false")
+        self._graph_checked = False
         self._numbers: dict[int, tuple[Tensor, int]] = {}  # id(values) -> (values, window number)
         self._prefetched: _Prefetched | None = None
         self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
@@ -126,7 +160,9 @@ class FreqCache(SparseModule):
             if known is None or known[0] is not features.values:
                 with self._on_side():  # after the planner's work already queued there
                     rows = self.space.global_rows(features.to(self.device))
-                    self._numbers[id(features.values)] = (features.values, self.planner.enter(rows))
+                    number = self.planner.advance_entered()
+                    self._device_step("enter", rows, self.planner.device_enter, eligible=True)
+                    self._numbers[id(features.values)] = (features.values, number)
 
     def _window_number(self, features: SparseFeatures) -> int | None:
         known = self._numbers.pop(id(features.values), None)
@@ -138,13 +174,53 @@ class FreqCache(SparseModule):
         """Plan a batch and move its rows; returns the slot of each of its ids."""
         rows = self.space.global_rows(features.to(self.device))
         closes = train and self._observe(rows)
-        plan = self.planner.plan(rows, train, running, self._window_number(features))
+        pid, step = self.planner.advance(train, running, self._window_number(features))
+        steady = train and step.keeps_running and step.number == "next"  # every timed step's kind
+
+        def plan_and_move(batch_rows: Tensor) -> tuple[Tensor, ...]:
+            plan = self.planner.device_step(batch_rows, train, step, pid)
+            self._move(*plan.part(late=False))
+            return plan.slots, plan.write_back_slots, plan.write_back_rows, plan.load_slots, plan.load_rows, plan.late
+
+        out, replayed = self._device_step("plan", rows, plan_and_move, eligible=steady)
+        if replayed:  # the graph's outputs are overwritten by its next replay
+            out = tuple(t.clone() for t in out)
+            self._check_first_replay(out[0], rows)
+        plan = DevicePlan(pid, *out, sink=self.planner.sink, pad_row=self.planner.pad_row)
         if closes:
             self._window_end = self.planner.counts.clone()
-        self._move(*plan.part(late=False))
         if running is not None:
             self._late = plan
         return plan.slots
+
+    def _device_step(self, name: str, rows: Tensor, step, eligible: bool):
+        """Run a device step eagerly, or replay it from its captured graph; a step eligible for
+        capture is captured once it has run eagerly a few times. Returns its output and whether
+        it was replayed."""
+        captured = self._captured.get(name)
+        if eligible and captured is not None and captured.length == len(rows):
+            return captured(rows), True
+        if eligible and self._graphs_on and captured is None:
+            self._eager_runs[name] += 1
+            if self._eager_runs[name] > _EAGER_BEFORE_CAPTURE:
+                try:
+                    self._captured[name] = CapturedStep(step, len(rows), self.planner.pad_row, self.device)
+                except Exception as e:  # an operation torch cannot capture: stay eager, and say why
+                    self._graphs_on = False
+                    self._graph_note = f"capture of {name} failed: {type(e).__name__}: {e}"
+                else:
+                    self._graph_note = "captured: " + ", ".join(sorted(self._captured))
+                    return self._captured[name](rows), True
+        return step(rows), False
+
+    def _check_first_replay(self, slots: Tensor, rows: Tensor) -> None:
+        """Once (in warm-up; it waits for the device): the first replayed plan put every id in a
+        slot that holds its row."""
+        if not self._graph_checked:
+            self._graph_checked = True
+            if not torch.equal(self.planner.slot_row[slots], rows):
+                raise RuntimeError("freqcache: the plan replayed from its CUDA graph put ids in slots that do not "
+                                   "hold their rows; run with cuda_graph: false")
 
     def _move(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor) -> None:
         """Dirty victims out to the host table, then the missing rows in (padded: the sink slot
@@ -252,7 +328,7 @@ class FreqCache(SparseModule):
         out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "policy": self.params.policy,
                      "admission": self.params.admission, "lookahead": self.lookahead, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,
-                     "cache_graph_captured": False}
+                     "cache_graph_captured": bool(self._captured), "cache_graph": self._graph_note}
         if self._window_start is None:
             return out
         end = self._window_end if self._window_end is not None else self.planner.counts  # a run shorter than the window
