@@ -162,3 +162,54 @@ def test_hit_rates_are_the_host_planner_s_within_a_few_tenths_of_a_point(ratio, 
     assert abs(host["hit_rate"] - device["hit_rate"]) < 0.003
     assert abs(host["unique_hit_rate"] - device["unique_hit_rate"]) < 0.005
     assert device["unique_hit_rate"] <= device["belady_unique_hit_rate"] + 1e-9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_sync():
+    """freqcache with its steady-state steps replayed from CUDA graphs trains exactly as with
+    them run eagerly (and as whole tables), and a replayed step never waits for the device."""
+    from baselines.tables import WholeTables
+    from embbench.cache import FreqCache, FreqCacheParams
+    from embbench.optim import EmbeddingOptimizer
+    from tests.test_freqcache import _context
+
+    device = torch.device("cuda")
+    tables = [TableSpec("t0", 400, 8, 1, 1.1), TableSpec("t1", 60, 8, 2, 1.1)]
+    data = SyntheticCriteo(tables, 0)
+    batches = [data.batch(Stream.TRAIN, i, 16).sparse.to(device) for i in range(24)]
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.2)
+
+    def train(module, sync_check: bool):
+        g = torch.Generator(device=device).manual_seed(7)
+        for i, features in enumerate(batches):
+            checking = sync_check and i >= 8  # replayed by then
+            if checking:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                if i + 1 < len(batches):
+                    module.look_ahead(batches[i + 1 : i + 1 + module.lookahead])
+                out = module(features)
+                if i + 1 < len(batches):
+                    module.prefetch(batches[i + 1])
+                (out * torch.randn(out.shape, generator=g, device=device)).sum().backward()
+                module.end_step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return module.flush()
+
+    def context():
+        from dataclasses import replace
+
+        from embbench.strategy import RuntimeEnv
+
+        return replace(_context(tables, opt, [b.cpu() for b in batches]), env=RuntimeEnv(device))
+
+    params = dict(cache_ratio=0.05, lookahead=4, profile_batches=2)
+    graphed = FreqCache(context(), FreqCacheParams(**params, cuda_graph=True))
+    eager = FreqCache(context(), FreqCacheParams(**params, cuda_graph=False))
+    got, expected = train(graphed, sync_check=True), train(eager, sync_check=False)
+    reference = train(WholeTables(context()), sync_check=False)
+    assert graphed.extra_metrics()["cache_graph_captured"], graphed.extra_metrics()["cache_graph"]
+    for a, b, c in zip(got, expected, reference):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a.cpu(), c.cpu())
