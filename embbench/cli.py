@@ -4,9 +4,11 @@ trace record``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -21,18 +23,23 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from embbench.launch import (RecordsNotWritten, launched_by_torchrun, max_ranks, memory_preflight, run_cells,
-                             run_cells_in_job)
+from embbench.launch import (RecordsNotWritten, max_ranks, memory_preflight, run_cells, run_cells_in_job,
+                             torchrun_ranks)
 from embbench.optional import MissingDependency, require
 from embbench.progress import RunProgress
 from embbench.report import print_comparison, profile_tables
-from embbench.results import RecordError, load_records
+from embbench.results import RecordError, load_records, run_directory_lock
 from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # rich would exit 1 silently: main() says it once, as for plain prints
+
+
 # Logs and CI are not terminals: give tables room rather than wrapping every cell.
-console = Console(width=None if sys.stdout.isatty() else 240)
+console = _Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 240)
 
 
 def _dry_run(scenario, cells) -> None:
@@ -82,17 +89,23 @@ def _default_run_dir(path: str, scenario) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
-    scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=strategies)
-    if args.profile and launched_by_torchrun():
+    torchrun = torchrun_ranks()  # a partial torchrun environment stops here, named
+    scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=args.strategies)
+    if args.profile and torchrun:
         raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
     out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
-    if not args.dry_run:
-        _run_directory(out)  # before any data is converted into it
-    _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
     if args.dry_run:
+        _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
         _dry_run(scenario, cells)
         return 0
+    _run_directory(out)  # before any data is converted into it
+    # One run writes a run directory at a time (rank 0 of a torchrun job writes the records).
+    with run_directory_lock(out) if torchrun is None or torchrun[0] == 0 else contextlib.nullcontext():
+        _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
+        return _run_and_print(args, scenario, cells, out)
+
+
+def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
     console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
     try:  # the cells need scipy for the interval only: say so once, here, and run
         require("scipy.stats", "the confidence interval of the throughput")
@@ -127,7 +140,7 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, sho
     def on_notice(message):
         console.print(f"  [yellow]note[/yellow]: {escape(message)}")
 
-    if launched_by_torchrun():
+    if torchrun_ranks():
         return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
                                 on_start=shown.on_start, on_done=shown.on_done)
     return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=shown.on_start,
@@ -321,8 +334,6 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 
     budget = Budget(parse_size(args.device_memory, "--device-memory"),
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
-    if args.auc_tolerance < 0:
-        raise ValueError(f"--auc-tolerance {args.auc_tolerance}: must be 0 or more")
     records = load_runs([args.run])[0].records
     recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
     if args.json:
@@ -394,9 +405,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(kind: type, zero: bool = False):
-    """An argparse type: a number of ``kind`` above zero, or at least zero with ``zero``
-    (argparse names the flag)."""
+def _positive(kind: type, zero: bool = False, at_most: float | None = None):
+    """An argparse type: a finite number of ``kind`` above zero (at least zero with ``zero``),
+    and at most ``at_most`` if given. Every numeric flag goes through it, so an empty, NaN,
+    infinite or out-of-range value is refused with the flag named (argparse names it)."""
 
     def parse(text: str):
         try:
@@ -405,10 +417,24 @@ def _positive(kind: type, zero: bool = False):
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not (value >= 0 if zero else value > 0):  # also refuses nan
             raise argparse.ArgumentTypeError(f"must be {'at least' if zero else 'above'} 0, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _names(text: str) -> list[str]:
+    """``--strategies a,b``: one name at least, none empty."""
+    names = [name.strip() for name in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError("empty: name at least one strategy (leave the flag out to run them all)")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty name between commas")
+    return names
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -442,7 +468,7 @@ def _add_data_commands(sub) -> None:
     prepare = data_sub.add_parser("prepare", help="build a scenario's data cache ahead of `embbench run`")
     prepare.add_argument("scenario", help="scenario YAML file")
     prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: the run directory's)")
-    prepare.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
+    prepare.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
     trace = sub.add_parser("trace", help="record the id stream a scenario produces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
@@ -452,7 +478,7 @@ def _add_data_commands(sub) -> None:
     record.add_argument("--train-batches", type=_positive(int), help="training batches (default: what a run of the scenario reads)")
     record.add_argument("--eval-batches", type=_positive(int, zero=True), help="evaluation batches (default: run.eval_batches)")
     record.add_argument("--features", action="store_true", help="also record labels and dense features")
-    record.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
+    record.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
 
@@ -463,8 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run every cell of a scenario and print the comparison")
     run.add_argument("scenario", help="scenario YAML file")
     run.add_argument("--steps", type=_positive(int), help="measured steps per repeat (overrides run.steps)")
-    run.add_argument("--scale", type=_positive(float), help="multiply table cardinalities (overrides data.scale)")
-    run.add_argument("--strategies", help="comma-separated subset of the scenario's strategies")
+    run.add_argument("--scale", type=_positive(float, at_most=1), help="multiply table cardinalities (overrides data.scale)")
+    run.add_argument("--strategies", type=_names, help="comma-separated subset of the scenario's strategies")
     run.add_argument("--out", help="run directory (default: results/runs/<scenario>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
@@ -488,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("run", help="a run directory")
     rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")
     rec.add_argument("--host-memory", metavar="SIZE", help="per host (all ranks together)")
-    rec.add_argument("--auc-tolerance", type=float, default=0.001,
+    rec.add_argument("--auc-tolerance", type=_positive(float, zero=True, at_most=1), default=0.001,
                      help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     rec.set_defaults(func=cmd_recommend)
@@ -505,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     proj.add_argument("results", help="a run directory or one record file")
     proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")
     proj.add_argument("--links", type=_links, help="name=GB/s,... per-rank link bandwidths (default nvlink, pcie5, net400, net100)")
-    proj.add_argument("--latency-us", type=float, default=0.0, help="latency per collective (4 per step), microseconds")
+    proj.add_argument("--latency-us", type=_positive(float, zero=True), default=0.0, help="latency per collective (4 per step), microseconds")
     proj.set_defaults(func=cmd_project)
     return parser
 
@@ -514,11 +540,25 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: the cell's processes are killed, records kept
 
 
+def _stdout_gone() -> int:
+    """``| head`` closed the pipe: say so once; nothing more goes to the closed pipe (not even
+    at exit, where Python flushes stdout)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("error: standard output was closed before everything was written (broken pipe)", file=sys.stderr)
+    return 141  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
+        print(f"error: standard output is closed; embbench {args.command} prints its results there "
+              "(redirect it to a file or /dev/null instead)", file=sys.stderr)
+        return 2
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        return _stdout_gone()
     except (ScenarioError, RecordError, ValueError, OSError, MissingDependency) as e:  # OSError names its file
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -100,3 +100,109 @@ def test_integral_float_ids_are_converted_and_said_so(tmp_path, capsys, trace):
     from embbench.data.trace import Trace
 
     assert np.array_equal(Trace(trace).streams[Stream.TRAIN]["values"], ids)
+
+
+# --- two runs into one --out (issue 26) --------------------------------------------------------
+
+
+def _harness(tmp_path: Path, scenario: Path, out: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "embbench.cli", "run", str(scenario), "--out", str(out), *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_second_run_into_the_same_out_is_refused_and_a_killed_one_leaves_no_stale_lock(tmp_path, plugin_path):
+    raw = tiny_scenario(run={"time_limit_s": 600}, strategies=[{"name": "device"}, {"name": "sleeps"}])
+    scenario, out = _write(tmp_path, raw), tmp_path / "run"
+    first = _harness(tmp_path, scenario, out)
+    try:
+        assert _wait_for(lambda: (out / "device@w1.json").exists()), first.communicate(timeout=5)
+        second = subprocess.run([sys.executable, "-m", "embbench.cli", "run", str(scenario), "--out", str(out)],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert _one_clean_line(second.stderr) == f"error: another run is writing to {out}/ (pid {first.pid})"
+        first.kill()  # SIGKILL: no cleanup runs; the kernel drops the lock with the process
+        first.wait(timeout=30)
+    finally:
+        first.kill()
+    resumed = subprocess.run([sys.executable, "-m", "embbench.cli", "run", str(_write(tmp_path, tiny_scenario(
+        run={"time_limit_s": 600}, strategies=[{"name": "device"}]), "device.yaml")), "--out", str(out), "--resume"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+# --- flags, the environment and stdout (issue 28) ----------------------------------------------
+
+
+@pytest.mark.parametrize("argv, flag, expected", [
+    (["run", "S", "--strategies", ""], "--strategies", "empty: name at least one strategy"),
+    (["run", "S", "--strategies", " , "], "--strategies", "empty: name at least one strategy"),
+    (["run", "S", "--strategies", "device,,cpu"], "--strategies", "'device,,cpu': an empty name between commas"),
+    (["run", "S", "--scale", "inf"], "--scale", "must be a finite number, got inf"),
+    (["run", "S", "--scale", "2"], "--scale", "must be at most 1, got 2"),
+    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "nan"], "--auc-tolerance", "must be at least 0, got nan"),
+    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "-0.1"], "--auc-tolerance", "must be at least 0, got -0.1"),
+    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "2"], "--auc-tolerance", "must be at most 1, got 2"),
+    (["project", "R", "--latency-us=-1e6"], "--latency-us", "must be at least 0, got -1e6"),
+    (["project", "R", "--latency-us", "nan"], "--latency-us", "must be at least 0, got nan"),
+    (["project", "R", "--latency-us", "inf"], "--latency-us", "must be a finite number, got inf"),
+    (["project", "R", "--links", "x=inf"], "--links", "x: must be a finite number, got inf"),
+], ids=["strategies-empty", "strategies-blank", "strategies-hole", "scale-inf", "scale-2", "auc-nan", "auc-negative",
+        "auc-2", "latency-negative", "latency-nan", "latency-inf", "links-inf"])
+def test_empty_nan_infinite_and_out_of_range_flags_are_named(capsys, argv, flag, expected):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert f"argument {flag}: {expected}" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2"},
+     "error: environment: TORCHELASTIC_RUN_ID, WORLD_SIZE set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not: "
+     "a partial torchrun environment (start the job with torchrun, or unset TORCHELASTIC_RUN_ID, WORLD_SIZE)"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "TORCHELASTIC_RUN_ID, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not"),
+    ({"TORCHELASTIC_RUN_ID": "1", "RANK": "one", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, "error: environment: RANK='one' is not an integer"),
+    ({"TORCHELASTIC_RUN_ID": "1", "RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, "need 0 <= RANK < WORLD_SIZE"),
+], ids=["no-rank", "no-run-id", "rank-word", "rank-too-big"])
+def test_a_partial_torchrun_environment_is_named(tmp_path, capsys, monkeypatch, env, expected):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, _, err = _cli(capsys, "run", _write(tmp_path, tiny_scenario()), "--out", tmp_path / "run")
+    assert code == 2 and expected in _one_clean_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def a_run(tmp_path) -> Path:
+    from tests.record_factory import make_record, write_run
+
+    return write_run(tmp_path / "a run", [make_record("device"), make_record("cpu")])
+
+
+def test_a_closed_stdout_is_one_line(a_run):
+    proc = subprocess.run([sys.executable, "-m", "embbench.cli", "show", str(a_run)], cwd=ROOT, capture_output=False,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1), timeout=120)
+    assert proc.returncode == 2
+    assert _one_clean_line(proc.stderr) == ("error: standard output is closed; embbench show prints its results there "
+                                            "(redirect it to a file or /dev/null instead)")
+
+
+@pytest.mark.parametrize("flags", [[], ["--csv"]], ids=["table", "csv"])
+def test_a_pipe_closed_early_is_one_line(a_run, flags):
+    proc = subprocess.Popen([sys.executable, "-m", "embbench.cli", "show", str(a_run), *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # `| head` that has read enough, before anything was written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert _one_clean_line(err) == "error: standard output was closed before everything was written (broken pipe)"
