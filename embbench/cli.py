@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
@@ -39,7 +39,10 @@ class _Console(Console):
 
 
 # Logs and CI are not terminals: give tables room rather than wrapping every cell.
-console = _Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 240)
+# User text (names, paths, messages) reaches it as rich.text.Text, never inside a markup string
+# (escape() is not enough there: a name ending in a backslash escapes what follows); emoji
+# codes such as :x: in plain strings are left alone.
+console = _Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 240, emoji=False)
 
 
 def _dry_run(scenario, cells) -> None:
@@ -49,7 +52,7 @@ def _dry_run(scenario, cells) -> None:
         device = torch.device("cuda")
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
-    grid = Table(title=f"{scenario.name}: {len(cells)} cells (nothing is run)", header_style="bold",
+    grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"), header_style="bold",
                  caption=f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, "
                          f"{table_bytes / 2**30:,.2f} GiB of weights; per-rank estimates on {device}")
     for col in ["cell", "device GiB / rank", "host GiB / rank", "fits"]:
@@ -59,15 +62,15 @@ def _dry_run(scenario, cells) -> None:
         try:
             estimate, too_big = memory_preflight(scenario, cell, device)
         except RuntimeError as e:  # a broken plugin: this row says so, the others are shown
-            grid.add_row(escape(cell.id), "?", "?", f"[red]broken[/red]: {escape(str(e))}")
+            grid.add_row(Text(cell.id), "?", "?", Text.assemble(("broken", "red"), f": {e}"))
             continue
         if cell.world_size > limit:
             too_big = f"needs {cell.world_size} ranks; at most {limit} {what}"
         if too_big:
             too_big = too_big.removeprefix("not attempted: ").removesuffix(" (--force runs it anyway)")
-        fits = "?" if estimate is None and not too_big else f"[red]no[/red]: {escape(too_big)}" if too_big else "yes"
+        fits = "?" if estimate is None and not too_big else Text.assemble(("no", "red"), f": {too_big}") if too_big else "yes"
         gib = (lambda key: f"{estimate[key] / 2**30:,.3f}") if estimate else (lambda key: "?")
-        grid.add_row(escape(cell.id), gib("device"), gib("host"), fits)
+        grid.add_row(Text(cell.id), gib("device"), gib("host"), fits)
     console.print(grid)
 
 
@@ -106,12 +109,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
-    console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
+    console.print(Text.assemble((scenario.name, "bold"), f": {len(cells)} cells -> {out}"))
     try:  # the cells need scipy for the interval only: say so once, here, and run
         require("scipy.stats", "the confidence interval of the throughput")
     except MissingDependency as e:
-        console.print(f"[yellow]warning: {escape(str(e))}. The records get none (throughput.ci95_missing); "
-                      "compare, recommend and report need scipy too.[/yellow]")
+        console.print(Text(f"warning: {e}. The records get none (throughput.ci95_missing); "
+                           "compare, recommend and report need scipy too.", style="yellow"))
     shown = RunProgress(console, len(cells), live=console.is_terminal and not args.quiet, lines=not args.quiet)
     try:
         with shown:
@@ -129,8 +132,8 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
     if args.profile:
         for table in profile_tables(records):
             console.print(table)
-    console.print(escape(shown.summary()))
-    console.print(f"records: {escape(str(out))}")
+    console.print(Text(shown.summary()))
+    console.print(Text(f"records: {out}"))
     return 0
 
 
@@ -138,7 +141,7 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, sho
     """Run the cells, ``shown`` following them: phase, step k of n, ETA; a line per finished cell."""
 
     def on_notice(message):
-        console.print(f"  [yellow]note[/yellow]: {escape(message)}")
+        console.print(Text.assemble("  ", ("note", "yellow"), f": {message}"))
 
     if torchrun_ranks():
         return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
@@ -151,7 +154,7 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, sho
 def _conversion_progress() -> Progress:
     from rich.progress import DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    return Progress(TextColumn("converting {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    return Progress(TextColumn("converting {task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TextColumn("{task.fields[rows]:,} rows, {task.fields[rate]:,.0f} rows/s"), TimeRemainingColumn(),
                     console=console, transient=True)
 
@@ -162,7 +165,7 @@ def _progress_callback(progress: Progress):
 
     def on_progress(name: str, done: int, total: int, rows: int) -> None:
         if name not in tasks:
-            tasks[name] = (progress.add_task(escape(name), total=total, rows=0, rate=0.0), time.perf_counter())
+            tasks[name] = (progress.add_task(name, total=total, rows=0, rate=0.0), time.perf_counter())
         task, start = tasks[name]
         progress.update(task, completed=done, rows=rows, rate=rows / max(time.perf_counter() - start, 1e-9))
 
@@ -184,7 +187,7 @@ def _prepare_data(scenario, cache_dir: Path) -> None:
 
 
 def _stats_table(title: str, stats: list, caption: str) -> Table:
-    grid = Table(title=title, header_style="bold", caption=caption)
+    grid = Table(title=Text(title, style="table.title"), header_style="bold", caption=Text(caption, style="table.caption"))
     for col in ["table", "accesses", "distinct ids", "empty", "seen once", "top 1% ids' share", "Zipf alpha"]:
         grid.add_column(col, justify="right")
     for i, st in enumerate(stats):
@@ -234,13 +237,13 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     cache = Path(args.data_cache) if args.data_cache else _default_run_dir(args.scenario, scenario) / "data-cache"
     if scenario.data.source == "synthetic":
-        console.print(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare")
+        console.print(Text(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare"))
         return 0
     start = time.perf_counter()
     _prepare_data(scenario, cache)
     tables = scenario.tables()
-    console.print(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
-                  f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}")
+    console.print(Text(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
+                       f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}"))
     return 0
 
 
@@ -257,8 +260,8 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     source = scenario.data_source(torch.device("cpu"))
     written = record_trace(source, [t.num_rows for t in tables], scenario.data.batch_size, train, evaluation,
                            Path(args.out), features=args.features)
-    console.print(f"{args.out}: {written['train']:,} training and {written['eval']:,} evaluation samples of "
-                  f"{len(tables)} tables ({'with' if args.features else 'without'} labels and dense features)")
+    console.print(Text(f"{args.out}: {written['train']:,} training and {written['eval']:,} evaluation samples of "
+                       f"{len(tables)} tables ({'with' if args.features else 'without'} labels and dense features)"))
     return 0
 
 
@@ -274,19 +277,19 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     for col in ["name", "what it does", "parameters (default)", "runs here"]:
         table.add_column(col)
     for name, cls in load_strategies().items():
-        params = "\n".join(
-            f"{key}: {_type_name(f.annotation)} = {f.default!r}"
-            + (f"  [dim]{f.description}[/dim]" if f.description else "")
+        params = Text("\n").join(
+            Text.assemble(f"{key}: {_type_name(f.annotation)} = {f.default!r}",
+                          (f"  {f.description}" if f.description else "", "dim"))
             for key, f in cls.Params.model_fields.items()
         ) or "-"
         try:
             reason = cls().unsupported_reason(RuntimeEnv(device))
-            runs = "[green]yes[/green]" if reason is None else f"[yellow]no[/yellow]: {escape(reason)}"
+            runs = Text("yes", "green") if reason is None else Text.assemble(("no", "yellow"), f": {reason}")
         except Exception as e:  # a broken plugin is listed as such; the others still are
-            runs = f"[red]broken[/red]: unsupported_reason raised {type(e).__name__}: {escape(str(e))}"
-        table.add_row(name, escape(cls.summary), escape(params), runs)
+            runs = Text.assemble(("broken", "red"), f": unsupported_reason raised {type(e).__name__}: {e}")
+        table.add_row(Text(name), Text(cls.summary), params, runs)
     for name, reason in broken_strategies().items():
-        table.add_row(name, "", "", f"[red]broken[/red]: {escape(reason)}")
+        table.add_row(Text(name), "", "", Text.assemble(("broken", "red"), f": {reason}"))
     console.print(table)
     return 0
 
@@ -363,8 +366,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print_deltas(cells, runs[0].label, run.label, TEST, console)
         if threshold is not None:
             verdict = "\n".join(f"  {why}" for why in failures)
-            console.print(f"[red]regression beyond {args.fail_on}:[/red]\n{escape(verdict)}" if failures
-                          else f"[green]no significant throughput drop beyond {args.fail_on}[/green]")
+            console.print(Text.assemble((f"regression beyond {args.fail_on}:", "red"), f"\n{verdict}") if failures
+                          else Text(f"no significant throughput drop beyond {args.fail_on}", style="green"))
     return 1 if failures else 0
 
 
@@ -376,7 +379,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     check_writable(out)  # before the work, not after it
     runs = load_runs(args.runs)
     write_report(runs, out)
-    console.print(f"report: {escape(str(out))} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)")
+    console.print(Text(f"report: {out} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)"))
     return 0
 
 
@@ -398,9 +401,9 @@ def cmd_project(args: argparse.Namespace) -> int:
             raise RecordError(f"{args.results}: the record of {record.cell_id} holds no scenario config to project from")
         scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
         for row in project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6):
-            table.add_row(escape(record.cell_id), str(record.world_size), f"{row['measured_step_s'] * 1e3:,.2f}",
+            table.add_row(Text(record.cell_id), str(record.world_size), f"{row['measured_step_s'] * 1e3:,.2f}",
                           str(row["world_size"]),
-                          row["link"], f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
+                          Text(row["link"]), f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
     console.print(table)
     return 0
 

@@ -174,7 +174,7 @@ def plot_per_rank(run: Run) -> list[str]:
 
 def _rich_html(renderables: list) -> str:
     """rich renderables as inline-styled HTML (the very tables the terminal shows)."""
-    console = Console(record=True, width=300, file=io.StringIO(), color_system="truecolor")
+    console = Console(record=True, width=300, file=io.StringIO(), color_system="truecolor", emoji=False)
     for r in renderables:
         console.print(r)
     return console.export_html(inline_styles=True, code_format="<pre class=\"rich\">{code}</pre>")

@@ -100,12 +100,12 @@ def comparison_table(records: list[Record], title: str | None = None) -> Table:
     rows = [(r, _row(r, baseline_rate) if r.status == "ok" and r.metrics else None) for r in records]
     measured = [row for _, row in rows if row]
     columns = [c for c in (measured[0] if measured else {}) if any(row[c] for row in measured)]
-    table = Table(title=title, header_style="bold",
-                  caption=f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
+    table = Table(title=None if title is None else Text(title, style="table.title"), header_style="bold",
+                  caption=Text(f"speedup against {baseline_name} at the same ranks; hit rate per access (per distinct row "
                           "where only that is counted), Belady's bound in brackets (uniq: per distinct row of each "
                           "batch); device MiB: the largest rank; "
                           "comm: bytes all ranks send to each other; ops: ATen operators per step, syncs: host waits (CUDA); "
-                          "max |Δw| only where the training order is the baseline's")
+                          "max |Δw| only where the training order is the baseline's", style="table.caption"))
     table.add_column("cell", no_wrap=True)
     table.add_column("status")
     for c in columns:

@@ -149,7 +149,6 @@ def test_recommend_prints_the_answer(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--device-memory", "16XB"], "--device-memory '16XB': expected a size"),
     (["--device-memory", "1GiB", "--host-memory", "many"], "--host-memory 'many': expected a size"),
-    (["--device-memory", "1GiB", "--auc-tolerance", "-1"], "--auc-tolerance -1.0: must be 0 or more"),
 ])
 def test_recommend_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     run = write_run(tmp_path / "run", [make_record("device")])

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from embbench.cli import main
 from embbench.data.synthetic import Stream, SyntheticCriteo
@@ -206,3 +207,41 @@ def test_a_pipe_closed_early_is_one_line(a_run, flags):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141
     assert _one_clean_line(err) == "error: standard output was closed before everything was written (broken pipe)"
+
+
+# --- user text is never markup (issue 28) -------------------------------------------------------
+
+
+def _flat(text: str) -> str:
+    """Output with line breaks and padding removed (a long title may wrap)."""
+    return "".join(text.split())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(alphabet="ab[]/\\:x#=@", min_size=1, max_size=12))
+@example(name="a[/tmp]")
+@example(name="a[bold]b")
+@example(name=":x:")
+@example(name="a\\")
+@example(name="\\[b]")
+def test_names_and_paths_with_brackets_and_backslashes_reach_the_terminal_unchanged(tmp_path, capsys, monkeypatch, name):
+    from embbench import cli
+    from embbench.launch import CellOutcome, run_cells
+
+    def ok(cell, weights):
+        return CellOutcome("ok", None, {
+            "step_time_s": {"median": 0.01, "p95": 0.012}, "throughput": {"mean": 100.0, "ci95": [90.0, 110.0]},
+            "memory": {"static_device_bytes": 0, "static_host_bytes": 0, "pinned_bytes": 0}, "counters": {"total": {}},
+            "measured_steps": 3, "samples_per_step": 64, "warmup_steps": 1})
+
+    monkeypatch.setattr(cli, "run_cells", lambda *a, **kw: run_cells(*a, **{**kw, "execute": ok}))
+    scenario = _write(tmp_path, tiny_scenario(name=name))
+    out = tmp_path / ("o" + name) / "run"
+    code, text, err = _cli(capsys, "run", scenario, "--dry-run")
+    assert code == 0 and f"{name}: 2 cells (nothing is run)" in text, err
+    code, text, err = _cli(capsys, "run", scenario, "--out", out, "--quiet")
+    assert code == 0, err
+    assert _flat(f"{name}: 2 cells -> {out}") in _flat(text) and _flat(f"records: {out}") in _flat(text)
+    assert _flat(name) in _flat(text.split("cells ->")[1])  # the table's title
+    code, text, err = _cli(capsys, "show", out)
+    assert code == 0 and _flat(str(out)) in _flat(text), err
