@@ -23,6 +23,7 @@ from rich.text import Text
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from embbench.commands import run_command
 from embbench.launch import (RecordsNotWritten, max_ranks, memory_preflight, run_cells, run_cells_in_job,
                              torchrun_ranks)
 from embbench.optional import MissingDependency, require
@@ -120,7 +121,9 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
         with shown:
             records = _run_with_progress(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
-        print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
+        again = run_command(args.scenario, out, args.steps, args.scale, args.strategies, args.data_cache, resume=True,
+                            force=args.force, profile=args.profile)
+        print(f"interrupted: the finished cells' records are kept in {out}; this runs the others: {again}", file=sys.stderr)
         return 130
     except RecordsNotWritten as e:
         print_comparison(e.records, console, title=scenario.name)
@@ -243,7 +246,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     _prepare_data(scenario, cache)
     tables = scenario.tables()
     console.print(Text(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
-                       f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}"))
+                       f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}\n"
+                       f"  run it with: {run_command(args.scenario, data_cache=args.data_cache)}"),
+                  soft_wrap=True)  # a command is not wrapped: it is pasted as one line
     return 0
 
 

@@ -245,3 +245,71 @@ def test_names_and_paths_with_brackets_and_backslashes_reach_the_terminal_unchan
     assert _flat(name) in _flat(text.split("cells ->")[1])  # the table's title
     code, text, err = _cli(capsys, "show", out)
     assert code == 0 and _flat(str(out)) in _flat(text), err
+
+
+# --- printed commands run as printed (issue 28) ---------------------------------------------------
+
+
+def _in_process_cells(monkeypatch, device_bytes=lambda cell: 0, interrupt: bool = False):
+    """``embbench run`` without processes: each cell 'measures' at once (``device_bytes`` its memory)."""
+    from embbench import cli
+    from embbench.launch import CellOutcome, run_cells
+    from embbench.metrics import summarize
+
+    def measure(cell, weights):
+        if interrupt:
+            raise KeyboardInterrupt
+        return CellOutcome("ok", None, {
+            "step_time_s": summarize([0.01, 0.011] * 3),
+            "throughput": {"mean": 100.0, "ci95": [90.0, 110.0], "per_repeat": [100.0, 100.0]},
+            "memory": {"static_device_bytes": device_bytes(cell), "static_host_bytes": 0, "pinned_bytes": 0},
+            "counters": {"total": {}}, "measured_steps": 6, "samples_per_step": 64, "warmup_steps": 1})
+
+    monkeypatch.setattr(cli, "run_cells", lambda *a, **kw: run_cells(*a, **{**kw, "execute": measure}))
+
+
+def _parsed(command: str):
+    from embbench.cli import build_parser
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["embbench", "run"], command
+    return build_parser().parse_args(argv[1:])
+
+
+def test_recommends_command_carries_the_runs_steps_scale_and_quoted_path(tmp_path, capsys, monkeypatch):
+    raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": [0.1, 0.2]}}])
+    scenario, run = _write(tmp_path, raw, "my scenario.yaml"), tmp_path / "a run"
+    _in_process_cells(monkeypatch, lambda cell: int((10 + 1000 * cell.params.get("cache_ratio", 1)) * 2**20))
+    assert _cli(capsys, "run", scenario, "--steps", "6", "--scale", "0.0003", "--out", run)[0] == 0
+    code, out, err = _cli(capsys, "recommend", run, "--device-memory", "60MiB")
+    assert code == 0, err
+    lines = out.splitlines()
+    command = lines[next(i for i, line in enumerate(lines) if "to measure it:" in line) + 1].strip()
+    args = _parsed(command)
+    assert (Path(args.scenario), args.steps, args.scale, args.strategies, Path(args.out), args.resume) == (
+        scenario, 6, 0.0003, ["freqcache"], run, True)
+
+
+def test_an_interrupted_run_prints_the_command_that_resumes_it(tmp_path, capsys, monkeypatch):
+    scenario, run = _write(tmp_path, tiny_scenario(), "s c.yaml"), tmp_path / "my run"
+    _in_process_cells(monkeypatch, interrupt=True)
+    code, _, err = _cli(capsys, "run", scenario, "--steps", "4", "--scale", "0.0003", "--strategies", "cpu",
+                        "--out", run, "--data-cache", tmp_path / "a cache")
+    assert code == 130
+    args = _parsed(_one_clean_line(err).split("this runs the others: ")[1])
+    assert (Path(args.scenario), args.steps, args.scale, args.strategies, Path(args.out), Path(args.data_cache),
+            args.resume) == (scenario, 4, 0.0003, ["cpu"], run, tmp_path / "a cache", True)
+
+
+def test_data_prepare_prints_the_run_that_reads_its_cache(tmp_path, capsys, monkeypatch):
+    from embbench.data.fake_criteo import write_fake_criteo
+
+    monkeypatch.setenv("EMBBENCH_DATA_CACHE", "")  # prepare sets it; the monkeypatch restores it
+    write_fake_criteo(tmp_path / "day 0", 1200)
+    raw = tiny_scenario(data={"source": "criteo_tsv", "path": str(tmp_path / "day 0"), "eval": 0.25, "embedding_dim": 8,
+                              "batch_size": 64, "preset": "criteo_kaggle", "scale": 1.0})
+    scenario, cache = _write(tmp_path, raw, "my s.yaml"), tmp_path / "a cache"
+    code, out, err = _cli(capsys, "data", "prepare", scenario, "--data-cache", cache)
+    assert code == 0, err
+    args = _parsed(out.split("run it with: ")[1].strip())
+    assert (Path(args.scenario), Path(args.data_cache)) == (scenario, cache)
