@@ -27,6 +27,7 @@ from embbench.commands import run_command
 from embbench.launch import (RecordsNotWritten, max_ranks, memory_preflight, run_cells, run_cells_in_job,
                              torchrun_ranks)
 from embbench.optional import MissingDependency, require
+from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
 from embbench.report import print_comparison, profile_tables
 from embbench.results import RecordError, load_records, run_directory_lock
@@ -105,8 +106,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     _run_directory(out)  # before any data is converted into it
     # One run writes a run directory at a time (rank 0 of a torchrun job writes the records).
     with run_directory_lock(out) if torchrun is None or torchrun[0] == 0 else contextlib.nullcontext():
+        if args.profile:
+            _claim_profiles(out, cells)
         _prepare_data(scenario, Path(args.data_cache) if args.data_cache else out / "data-cache")
         return _run_and_print(args, scenario, cells, out)
+
+
+def _profile_dir(out: Path) -> Path:
+    return out / "profiles"
+
+
+def _claim_profiles(out: Path, cells) -> None:
+    """``--profile`` replaces an earlier profile of a cell, nothing else."""
+    _profile_dir(out).mkdir(exist_ok=True)
+    for cell in cells:
+        claim_output(_profile_dir(out) / f"{cell.slug}.trace.json", "--profile", "embbench run --profile",
+                     lambda path: head_has(path, b'"traceEvents"'))
 
 
 def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
@@ -151,7 +166,7 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, sho
                                 on_start=shown.on_start, on_done=shown.on_done)
     return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=shown.on_start,
                      on_done=shown.on_done, on_progress=shown.on_progress, on_notice=on_notice, force=args.force,
-                     profile_dir=out / "profiles" if args.profile else None)
+                     profile_dir=_profile_dir(out) if args.profile else None)
 
 
 def _conversion_progress() -> Progress:
@@ -254,8 +269,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 def cmd_trace_record(args: argparse.Namespace) -> int:
     from embbench.data.sources import batches_needed
-    from embbench.data.trace import record_trace
+    from embbench.data.trace import is_trace, record_trace
 
+    claim_output(Path(args.out), "--out", "embbench trace record", is_trace, args.overwrite)
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     _prepare_data(scenario, Path(args.data_cache) if args.data_cache else Path("results") / "data-cache")
     train, evaluation = batches_needed(scenario.run)
@@ -381,7 +397,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from embbench.html_report import check_writable, write_report
 
     out = Path(args.out)
-    check_writable(out)  # before the work, not after it
+    check_writable(out, args.overwrite)  # before the work, not after it
     runs = load_runs(args.runs)
     write_report(runs, out)
     console.print(Text(f"report: {out} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)"))
@@ -486,6 +502,7 @@ def _add_data_commands(sub) -> None:
     record.add_argument("--train-batches", type=_positive(int), help="training batches (default: what a run of the scenario reads)")
     record.add_argument("--eval-batches", type=_positive(int, zero=True), help="evaluation batches (default: run.eval_batches)")
     record.add_argument("--features", action="store_true", help="also record labels and dense features")
+    record.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a trace (never a record)")
     record.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
@@ -534,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="one self-contained HTML file: the tables and plots of one or more runs")
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories; with several, the first is the baseline of the comparison")
     rep.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    rep.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a report (never a record)")
     rep.set_defaults(func=cmd_report)
     proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
     proj.add_argument("results", help="a run directory or one record file")

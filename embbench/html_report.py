@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from rich.console import Console
 from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
+from embbench.outputs import claim_output, head_has
 
 __all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
 
@@ -202,7 +202,7 @@ def render_report(runs: list[Run]) -> str:
     from embbench.report import comparison_table, delta_table
 
     _pyplot()  # without matplotlib, fail before any work
-    parts = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>embbench report</title>",
+    parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\">{GENERATOR}<title>embbench report</title>",
              f"<style>{_STYLE}</style></head><body><h1>embbench report</h1>"]
     for run in runs:
         first = run.records[0]
@@ -235,18 +235,14 @@ def render_report(runs: list[Run]) -> str:
     return "\n".join(parts)
 
 
-def check_writable(out: Path) -> None:
-    """A ValueError saying why ``out`` cannot be written, if it cannot."""
-    try:
-        if out.is_dir():
-            raise ValueError(f"--out {out}: is a directory; give a file name such as {out / 'report.html'}")
-        parent = out.parent if str(out.parent) else Path(".")
-        if not parent.is_dir():
-            raise ValueError(f"--out {out}: no such directory {parent}")
-        if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-            raise ValueError(f"--out {out}: not writable")
-    except OSError as e:  # a name too long, a loop of links, ...
-        raise ValueError(f"--out {out}: {e.strerror}") from None
+#: Marks the reports this command wrote, which a later report may replace (claim_output).
+GENERATOR = '<meta name="generator" content="embbench report">'
+
+
+def check_writable(out: Path, overwrite: bool = False) -> None:
+    """A ValueError saying why ``out`` cannot be written, if it cannot: see
+    :func:`embbench.outputs.claim_output` (a previous report may be replaced, nothing else)."""
+    claim_output(out, "--out", "embbench report", lambda path: head_has(path, GENERATOR.encode()), overwrite)
 
 
 def write_report(runs: list[Run], out: Path) -> Path:

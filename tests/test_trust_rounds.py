@@ -313,3 +313,55 @@ def test_data_prepare_prints_the_run_that_reads_its_cache(tmp_path, capsys, monk
     assert code == 0, err
     args = _parsed(out.split("run it with: ")[1].strip())
     assert (Path(args.scenario), Path(args.data_cache)) == (scenario, cache)
+
+
+# --- no output flag overwrites a file it did not make (issue 28) ----------------------------------
+
+
+def test_report_never_replaces_a_record_or_a_file_it_did_not_make(a_run, capsys):
+    record = a_run / "device@w1.json"
+    before = record.read_bytes()
+    code, _, err = _cli(capsys, "report", a_run, "--out", record)
+    assert code == 2 and _one_clean_line(err) == (
+        f"error: --out {record}: is a result record; only `embbench run` writes records: give another file name")
+    code, _, err = _cli(capsys, "report", a_run, "--out", record, "--overwrite")
+    assert code == 2 and "is a result record" in _one_clean_line(err) and record.read_bytes() == before
+    notes = a_run.parent / "notes.html"
+    notes.write_text("<html>my notes</html>")
+    code, _, err = _cli(capsys, "report", a_run, "--out", notes)
+    assert code == 2 and _one_clean_line(err) == (f"error: --out {notes}: exists and was not made by `embbench report`; "
+                                                  "give another file name, or --overwrite to replace it")
+    assert notes.read_text() == "<html>my notes</html>"
+    report = a_run.parent / "report.html"
+    assert _cli(capsys, "report", a_run, "--out", report)[0] == 0
+    assert _cli(capsys, "report", a_run, "--out", report)[0] == 0  # its own earlier report
+    assert _cli(capsys, "report", a_run, "--out", notes, "--overwrite")[0] == 0 and "my notes" not in notes.read_text()
+
+
+def test_trace_record_never_replaces_a_record_or_a_file_it_did_not_make(tmp_path, capsys, a_run, trace):
+    scenario = _write(tmp_path, tiny_scenario())
+    for target, expected in ((a_run / "cpu@w1.json", "is a result record"),
+                             (_write(tmp_path, {"mine": 1}, "ids.npz"), "exists and was not made by `embbench trace record`")):
+        before = target.read_bytes()
+        code, _, err = _cli(capsys, "trace", "record", scenario, "--out", target, "--train-batches", "1")
+        assert code == 2 and _one_clean_line(err).startswith(f"error: --out {target}: {expected}")
+        assert target.read_bytes() == before
+    assert _cli(capsys, "trace", "record", scenario, "--out", trace, "--train-batches", "1")[0] == 0  # a trace: replaced
+
+
+def test_profile_never_replaces_a_file_it_did_not_make(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "profiles").mkdir(parents=True)
+    mine = out / "profiles" / "device@w1.trace.json"
+    mine.write_text("my own notes")
+    code, _, err = _cli(capsys, "run", _write(tmp_path, tiny_scenario()), "--out", out, "--profile")
+    assert code == 2 and _one_clean_line(err).startswith(f"error: --profile {mine}: exists and was not made by")
+    assert mine.read_text() == "my own notes"
+
+
+def test_the_sweep_never_replaces_a_file_it_did_not_make(tmp_path, capsys):
+    from embbench.cache.sweep import main as sweep_main
+
+    target = _write(tmp_path, {"mine": 1}, "results.json")
+    assert sweep_main([str(ROOT / "scenarios" / "sweeps" / "freqcache_policy_history.yaml"), "--out", str(target)]) == 2
+    assert "exists and was not made by" in _one_clean_line(capsys.readouterr().err)

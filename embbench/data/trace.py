@@ -31,7 +31,7 @@ from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
 from embbench.data.synthetic import Stream, _hash_effect, _mix
 
-__all__ = ["TRACE_FORMAT", "Trace", "TraceError", "TraceSource", "bags_in_order", "record_trace"]
+__all__ = ["TRACE_FORMAT", "Trace", "TraceError", "TraceSource", "bags_in_order", "is_trace", "record_trace"]
 
 TRACE_FORMAT = "embbench-trace-1"
 _STREAMS = {Stream.TRAIN: "train", Stream.EVAL: "eval"}
@@ -90,6 +90,15 @@ def record_trace(source, num_rows: list[int], batch_size: int, train_batches: in
     np.savez(tmp, **arrays)
     tmp.replace(out)
     return written
+
+
+def is_trace(path: Path) -> bool:
+    """Whether ``path`` is an embbench trace (its ``format`` array says so), damaged or not otherwise."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return str(data["format"]) == TRACE_FORMAT
+    except Exception:  # not an .npz, no format array, truncated: not a trace this command made
+        return False
 
 
 class Trace:
