@@ -22,27 +22,9 @@ from embbench.data.synthetic import Stream, SyntheticCriteo
 from embbench.data.presets import make_tables
 from embbench.data.trace import record_trace
 from tests.conftest import tiny_scenario
+from tests.test_hostile_inputs import _cli, _one_clean_line, _wait, _write
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_clean_line(err: str) -> str:
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
-def _write(tmp_path: Path, raw: dict, name: str = "s.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 # --- damaged and fractional traces (issue 26) --------------------------------------------------
@@ -106,64 +88,31 @@ def test_integral_float_ids_are_converted_and_said_so(tmp_path, capsys, trace):
 # --- two runs into one --out (issue 26) --------------------------------------------------------
 
 
-def _harness(tmp_path: Path, scenario: Path, out: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "embbench.cli", "run", str(scenario), "--out", str(out), *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
+def _embbench(*argv) -> list[str]:
+    return [sys.executable, "-m", "embbench.cli", *map(str, argv)]
 
 
 def test_a_second_run_into_the_same_out_is_refused_and_a_killed_one_leaves_no_stale_lock(tmp_path, plugin_path):
     raw = tiny_scenario(run={"time_limit_s": 600}, strategies=[{"name": "device"}, {"name": "sleeps"}])
     scenario, out = _write(tmp_path, raw), tmp_path / "run"
-    first = _harness(tmp_path, scenario, out)
+    first = subprocess.Popen(_embbench("run", scenario, "--out", out), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait_for(lambda: (out / "device@w1.json").exists()), first.communicate(timeout=5)
-        second = subprocess.run([sys.executable, "-m", "embbench.cli", "run", str(scenario), "--out", str(out)],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert _wait(lambda: (out / "device@w1.json").exists(), 60), first.communicate(timeout=5)
+        second = subprocess.run(_embbench("run", scenario, "--out", out), cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
         assert second.returncode == 2
         assert _one_clean_line(second.stderr) == f"error: another run is writing to {out}/ (pid {first.pid})"
         first.kill()  # SIGKILL: no cleanup runs; the kernel drops the lock with the process
         first.wait(timeout=30)
     finally:
         first.kill()
-    resumed = subprocess.run([sys.executable, "-m", "embbench.cli", "run", str(_write(tmp_path, tiny_scenario(
-        run={"time_limit_s": 600}, strategies=[{"name": "device"}]), "device.yaml")), "--out", str(out), "--resume"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    resumed = subprocess.run(_embbench("run", scenario, "--out", out, "--resume", "--strategies", "device"), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "kept from the run directory: device@w1" in resumed.stdout, resumed.stderr[-2000:]
 
 
 # --- flags, the environment and stdout (issue 28) ----------------------------------------------
-
-
-@pytest.mark.parametrize("argv, flag, expected", [
-    (["run", "S", "--strategies", ""], "--strategies", "empty: name at least one strategy"),
-    (["run", "S", "--strategies", " , "], "--strategies", "empty: name at least one strategy"),
-    (["run", "S", "--strategies", "device,,cpu"], "--strategies", "'device,,cpu': an empty name between commas"),
-    (["run", "S", "--scale", "inf"], "--scale", "must be a finite number, got inf"),
-    (["run", "S", "--scale", "2"], "--scale", "must be at most 1, got 2"),
-    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "nan"], "--auc-tolerance", "must be at least 0, got nan"),
-    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "-0.1"], "--auc-tolerance", "must be at least 0, got -0.1"),
-    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "2"], "--auc-tolerance", "must be at most 1, got 2"),
-    (["project", "R", "--latency-us=-1e6"], "--latency-us", "must be at least 0, got -1e6"),
-    (["project", "R", "--latency-us", "nan"], "--latency-us", "must be at least 0, got nan"),
-    (["project", "R", "--latency-us", "inf"], "--latency-us", "must be a finite number, got inf"),
-    (["project", "R", "--links", "x=inf"], "--links", "x: must be a finite number, got inf"),
-], ids=["strategies-empty", "strategies-blank", "strategies-hole", "scale-inf", "scale-2", "auc-nan", "auc-negative",
-        "auc-2", "latency-negative", "latency-nan", "latency-inf", "links-inf"])
-def test_empty_nan_infinite_and_out_of_range_flags_are_named(capsys, argv, flag, expected):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "Traceback" not in err
-    assert f"argument {flag}: {expected}" in err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -192,7 +141,7 @@ def a_run(tmp_path) -> Path:
 
 
 def test_a_closed_stdout_is_one_line(a_run):
-    proc = subprocess.run([sys.executable, "-m", "embbench.cli", "show", str(a_run)], cwd=ROOT, capture_output=False,
+    proc = subprocess.run(_embbench("show", a_run), cwd=ROOT, capture_output=False,
                           stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1), timeout=120)
     assert proc.returncode == 2
     assert _one_clean_line(proc.stderr) == ("error: standard output is closed; embbench show prints its results there "
@@ -201,7 +150,7 @@ def test_a_closed_stdout_is_one_line(a_run):
 
 @pytest.mark.parametrize("flags", [[], ["--csv"]], ids=["table", "csv"])
 def test_a_pipe_closed_early_is_one_line(a_run, flags):
-    proc = subprocess.Popen([sys.executable, "-m", "embbench.cli", "show", str(a_run), *flags], cwd=ROOT,
+    proc = subprocess.Popen(_embbench("show", a_run, *flags), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # `| head` that has read enough, before anything was written
     err = proc.stderr.read()
@@ -225,16 +174,7 @@ def _flat(text: str) -> str:
 @example(name="a\\")
 @example(name="\\[b]")
 def test_names_and_paths_with_brackets_and_backslashes_reach_the_terminal_unchanged(tmp_path, capsys, monkeypatch, name):
-    from embbench import cli
-    from embbench.launch import CellOutcome, run_cells
-
-    def ok(cell, weights):
-        return CellOutcome("ok", None, {
-            "step_time_s": {"median": 0.01, "p95": 0.012}, "throughput": {"mean": 100.0, "ci95": [90.0, 110.0]},
-            "memory": {"static_device_bytes": 0, "static_host_bytes": 0, "pinned_bytes": 0}, "counters": {"total": {}},
-            "measured_steps": 3, "samples_per_step": 64, "warmup_steps": 1})
-
-    monkeypatch.setattr(cli, "run_cells", lambda *a, **kw: run_cells(*a, **{**kw, "execute": ok}))
+    _in_process_cells(monkeypatch)
     scenario = _write(tmp_path, tiny_scenario(name=name))
     out = tmp_path / ("o" + name) / "run"
     code, text, err = _cli(capsys, "run", scenario, "--dry-run")
