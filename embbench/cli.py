@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.text import Text
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from embbench.commands import run_command
 from embbench.launch import (RecordsNotWritten, max_ranks, memory_preflight, run_cells, run_cells_in_job,
@@ -34,6 +34,7 @@ from embbench.results import RecordError, load_records, run_directory_lock
 from embbench.runner import resolve_device
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
+
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
@@ -54,8 +55,8 @@ def _dry_run(scenario, cells) -> None:
         device = torch.device("cuda")
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
-    grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"), header_style="bold",
-                 caption=f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, "
+    grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
+                 header_style="bold", caption=f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, "
                          f"{table_bytes / 2**30:,.2f} GiB of weights; per-rank estimates on {device}")
     for col in ["cell", "device GiB / rank", "host GiB / rank", "fits"]:
         grid.add_column(col, justify="left" if col == "cell" else "right")
@@ -172,7 +173,8 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, sho
 def _conversion_progress() -> Progress:
     from rich.progress import DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    return Progress(TextColumn("converting {task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    return Progress(TextColumn("converting {task.description}", markup=False), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(),
                     TextColumn("{task.fields[rows]:,} rows, {task.fields[rate]:,.0f} rows/s"), TimeRemainingColumn(),
                     console=console, transient=True)
 
@@ -205,7 +207,8 @@ def _prepare_data(scenario, cache_dir: Path) -> None:
 
 
 def _stats_table(title: str, stats: list, caption: str) -> Table:
-    grid = Table(title=Text(title, style="table.title"), header_style="bold", caption=Text(caption, style="table.caption"))
+    grid = Table(title=Text(title, style="table.title"), header_style="bold",
+                 caption=Text(caption, style="table.caption"))
     for col in ["table", "accesses", "distinct ids", "empty", "seen once", "top 1% ids' share", "Zipf alpha"]:
         grid.add_column(col, justify="right")
     for i, st in enumerate(stats):

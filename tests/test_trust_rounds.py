@@ -9,15 +9,12 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from embbench.cli import main
 from embbench.data.synthetic import Stream, SyntheticCriteo
 from embbench.data.presets import make_tables
 from embbench.data.trace import record_trace
