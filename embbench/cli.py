@@ -4,9 +4,11 @@ trace record``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -17,25 +19,36 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from embbench.commands import run_command
 from embbench.device import resolve_device
 from embbench.launch import RecordsNotWritten, max_ranks, memory_preflight, other_scenario, run_cells
 from embbench.optional import MissingDependency, require
+from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
 from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
-from embbench.results import RecordError, by_scenario, load_records, scenario_differences
+from embbench.results import RecordError, by_scenario, load_records, run_directory_lock, scenario_differences
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 from embbench.table_view import View, column_names
 from embbench.torchrun_job import launched_by_torchrun, run_cells_in_job
 
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # rich would exit 1 silently: main() says it once, as for plain prints
+
+
 # Tables fit the terminal's width (COLUMNS where set; see embbench/table_view.py). Logs and CI
 # are not terminals: there, without COLUMNS, tables get room for most of their columns.
-console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 240)
+# User text (names, paths, messages) reaches it as rich.text.Text, never inside a markup string
+# (escape() is not enough there: a name ending in a backslash escapes what follows); emoji
+# codes such as :x: in plain strings are left alone.
+console = _Console(width=None if (sys.stdout is not None and sys.stdout.isatty()) or os.environ.get("COLUMNS") else 240,
+                   emoji=False)
 
 
 def _dry_run(scenario, cells) -> None:
@@ -45,8 +58,8 @@ def _dry_run(scenario, cells) -> None:
         device = torch.device("cuda")
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
-    grid = Table(title=f"{scenario.name}: {len(cells)} cells (nothing is run)", header_style="bold",
-                 caption=f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, "
+    grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
+                 header_style="bold", caption=f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, "
                          f"{table_bytes / 2**30:,.2f} GiB of weights; per-rank estimates on {device}")
     for col in ["cell", "device GiB / rank", "host GiB / rank", "fits"]:
         grid.add_column(col, justify="left" if col == "cell" else "right")
@@ -55,15 +68,15 @@ def _dry_run(scenario, cells) -> None:
         try:
             estimate, too_big = memory_preflight(scenario, cell, device)
         except RuntimeError as e:  # a broken plugin: this row says so, the others are shown
-            grid.add_row(escape(cell.id), "?", "?", f"[red]broken[/red]: {escape(str(e))}")
+            grid.add_row(Text(cell.id), "?", "?", Text.assemble(("broken", "red"), f": {e}"))
             continue
         if cell.world_size > limit:
             too_big = f"needs {cell.world_size} ranks; at most {limit} {what}"
         if too_big:
             too_big = too_big.removeprefix("not attempted: ").removesuffix(" (--force runs it anyway)")
-        fits = "?" if estimate is None and not too_big else f"[red]no[/red]: {escape(too_big)}" if too_big else "yes"
+        fits = "?" if estimate is None and not too_big else Text.assemble(("no", "red"), f": {too_big}") if too_big else "yes"
         gib = (lambda key: f"{estimate[key] / 2**30:,.3f}") if estimate else (lambda key: "?")
-        grid.add_row(escape(cell.id), gib("device"), gib("host"), fits)
+        grid.add_row(Text(cell.id), gib("device"), gib("host"), fits)
     console.print(grid)
 
 
@@ -85,32 +98,54 @@ def _default_run_dir(path: str, scenario) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
-    scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=strategies)
-    if args.profile and launched_by_torchrun():
+    torchrun = torchrun_ranks()  # a partial torchrun environment stops here, named
+    scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=args.strategies)
+    if args.profile and torchrun:
         raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
     out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
     mixed = other_scenario(out, scenario, str(args.scenario))
     if mixed:  # its tables would put cells of two scenarios side by side
         raise ValueError(mixed)
-    if not args.dry_run:
-        _run_directory(out)  # before any data is converted into it
-    _prepare_data(args.scenario, scenario, _data_cache(args), verify=args.verify_data)
     if args.dry_run:
+        _prepare_data(args.scenario, scenario, _data_cache(args), verify=args.verify_data)
         _dry_run(scenario, cells)
         return 0
-    console.print(f"[bold]{scenario.name}[/bold]: {len(cells)} cells -> {out}")
+    _run_directory(out)  # before any data is converted into it
+    # One run writes a run directory at a time (rank 0 of a torchrun job writes the records).
+    with run_directory_lock(out) if torchrun is None or torchrun[0] == 0 else contextlib.nullcontext():
+        if args.profile:
+            _claim_profiles(out, cells)
+        _prepare_data(args.scenario, scenario, _data_cache(args), verify=args.verify_data)
+        return _run_and_print(args, scenario, cells, out)
+
+
+def _profile_dir(out: Path) -> Path:
+    return out / "profiles"
+
+
+def _claim_profiles(out: Path, cells) -> None:
+    """``--profile`` replaces an earlier profile of a cell, nothing else."""
+    _profile_dir(out).mkdir(exist_ok=True)
+    for cell in cells:
+        claim_output(_profile_dir(out) / f"{cell.slug}.trace.json", "--profile", "embbench run --profile",
+                     lambda path: head_has(path, b'"traceEvents"'))
+
+
+def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
+    console.print(Text.assemble((scenario.name, "bold"), f": {len(cells)} cells -> {out}"))
     try:  # the cells need scipy for the interval only: say so once, here, and run
         require("scipy.stats", "the confidence interval of the throughput")
     except MissingDependency as e:
-        console.print(f"[yellow]warning: {escape(str(e))}. The records get none (throughput.ci95_missing); "
-                      "compare, recommend and report need scipy too.[/yellow]")
+        console.print(Text(f"warning: {e}. The records get none (throughput.ci95_missing); "
+                           "compare, recommend and report need scipy too.", style="yellow"))
     shown = RunProgress(console, len(cells), live=console.is_terminal and not args.quiet, lines=not args.quiet)
     try:
         with shown:
             records = _run_with_progress(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
-        print(f"interrupted: the finished cells' records are kept in {out} (--resume runs the others)", file=sys.stderr)
+        again = run_command(args.scenario, out, args.steps, args.scale, args.strategies, args.data_cache, resume=True,
+                            force=args.force, profile=args.profile)
+        print(f"interrupted: the finished cells' records are kept in {out}; this runs the others: {again}", file=sys.stderr)
         return 130
     except RecordsNotWritten as e:
         print_comparison(e.records, console, title=scenario.name, view=_view(args))
@@ -122,8 +157,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.profile:
         for table in profile_tables(records):
             console.print(table)
-    console.print(escape(shown.summary()))
-    console.print(f"records: {escape(str(out))}")
+    console.print(Text(shown.summary()))
+    console.print(Text(f"records: {out}"))
     return 0
 
 
@@ -131,20 +166,21 @@ def _run_with_progress(args: argparse.Namespace, scenario, cells, out: Path, sho
     """Run the cells, ``shown`` following them: phase, step k of n, ETA; a line per finished cell."""
 
     def on_notice(message):
-        console.print(f"  [yellow]note[/yellow]: {escape(message)}")
+        console.print(Text.assemble("  ", ("note", "yellow"), f": {message}"))
 
-    if launched_by_torchrun():
+    if torchrun_ranks():
         return run_cells_in_job(scenario, str(args.scenario), cells, out, resume=args.resume,
                                 on_start=shown.on_start, on_done=shown.on_done)
     return run_cells(scenario, str(args.scenario), cells, out, resume=args.resume, on_start=shown.on_start,
                      on_done=shown.on_done, on_progress=shown.on_progress, on_notice=on_notice, force=args.force,
-                     profile_dir=out / "profiles" if args.profile else None)
+                     profile_dir=_profile_dir(out) if args.profile else None)
 
 
 def _conversion_progress() -> Progress:
     from rich.progress import DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    return Progress(TextColumn("converting {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    return Progress(TextColumn("converting {task.description}", markup=False), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(),
                     TextColumn("{task.fields[rows]:,} rows, {task.fields[rate]:,.0f} rows/s"), TimeRemainingColumn(),
                     console=console, transient=True)
 
@@ -155,7 +191,7 @@ def _progress_callback(progress: Progress):
 
     def on_progress(name: str, done: int, total: int, rows: int) -> None:
         if name not in tasks:
-            tasks[name] = (progress.add_task(escape(name), total=total, rows=0, rate=0.0), time.perf_counter())
+            tasks[name] = (progress.add_task(name, total=total, rows=0, rate=0.0), time.perf_counter())
         task, start = tasks[name]
         progress.update(task, completed=done, rows=rows, rate=rows / max(time.perf_counter() - start, 1e-9))
 
@@ -189,7 +225,7 @@ def _prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False) ->
 
 def _stats_table(title: str, stats: list, caption: str) -> Table:
     console.print(Text(title), soft_wrap=True)  # a path: one line, never wrapped into a table's width
-    grid = Table(header_style="bold", caption=caption)
+    grid = Table(header_style="bold", caption=Text(caption, style="table.caption"))
     for col in ["table", "accesses", "distinct ids", "empty", "seen once", "top 1% ids' share", "Zipf alpha"]:
         grid.add_column(col, justify="right")
     for i, st in enumerate(stats):
@@ -240,20 +276,23 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     cache = _data_cache(args)
     if scenario.data.source == "synthetic":
-        console.print(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare")
+        console.print(Text(f"{args.scenario}: synthetic data is generated as it runs; nothing to prepare"))
         return 0
     start = time.perf_counter()
     _prepare_data(args.scenario, scenario, cache, verify=True)  # every entry hashed, whatever its size
     tables = scenario.tables()
-    console.print(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
-                  f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}")
+    console.print(Text(f"{args.scenario}: ready in {time.perf_counter() - start:,.1f} s, cache {cache}\n"
+                       f"  {len(tables)} tables, {sum(t.num_rows for t in tables):,} rows: {[t.num_rows for t in tables]}\n"
+                       f"  run it with: {run_command(args.scenario, data_cache=args.data_cache)}"),
+                  soft_wrap=True)  # a command is not wrapped: it is pasted as one line
     return 0
 
 
 def cmd_trace_record(args: argparse.Namespace) -> int:
     from embbench.data.sources import batches_needed
-    from embbench.data.trace import record_trace
+    from embbench.data.trace import is_trace, record_trace
 
+    claim_output(Path(args.out), "--out", "embbench trace record", is_trace, args.overwrite)
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     _prepare_data(args.scenario, scenario, _data_cache(args))
     train, evaluation = batches_needed(scenario.run)
@@ -263,8 +302,8 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     source = scenario.data_source(torch.device("cpu"))
     written = record_trace(source, [t.num_rows for t in tables], scenario.data.batch_size, train, evaluation,
                            Path(args.out), features=args.features)
-    console.print(f"{args.out}: {written['train']:,} training and {written['eval']:,} evaluation samples of "
-                  f"{len(tables)} tables ({'with' if args.features else 'without'} labels and dense features)")
+    console.print(Text(f"{args.out}: {written['train']:,} training and {written['eval']:,} evaluation samples of "
+                       f"{len(tables)} tables ({'with' if args.features else 'without'} labels and dense features)"))
     return 0
 
 
@@ -280,19 +319,19 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     for col in ["name", "what it does", "parameters (default)", "runs here"]:
         table.add_column(col)
     for name, cls in load_strategies().items():
-        params = "\n".join(
-            f"{key}: {_type_name(f.annotation)} = {f.default!r}"
-            + (f"  [dim]{f.description}[/dim]" if f.description else "")
+        params = Text("\n").join(
+            Text.assemble(f"{key}: {_type_name(f.annotation)} = {f.default!r}",
+                          (f"  {f.description}" if f.description else "", "dim"))
             for key, f in cls.Params.model_fields.items()
         ) or "-"
         try:
             reason = cls().unsupported_reason(RuntimeEnv(device))
-            runs = "[green]yes[/green]" if reason is None else f"[yellow]no[/yellow]: {escape(reason)}"
+            runs = Text("yes", "green") if reason is None else Text.assemble(("no", "yellow"), f": {reason}")
         except Exception as e:  # a broken plugin is listed as such; the others still are
-            runs = f"[red]broken[/red]: unsupported_reason raised {type(e).__name__}: {escape(str(e))}"
-        table.add_row(name, escape(cls.summary), escape(params), runs)
+            runs = Text.assemble(("broken", "red"), f": unsupported_reason raised {type(e).__name__}: {e}")
+        table.add_row(Text(name), Text(cls.summary), params, runs)
     for name, reason in broken_strategies().items():
-        table.add_row(name, "", "", f"[red]broken[/red]: {escape(reason)}")
+        table.add_row(Text(name), "", "", Text.assemble(("broken", "red"), f": {reason}"))
     console.print(table)
     return 0
 
@@ -368,8 +407,6 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 
     budget = Budget(parse_size(args.device_memory, "--device-memory"),
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
-    if args.auc_tolerance < 0:
-        raise ValueError(f"--auc-tolerance {args.auc_tolerance}: must be 0 or more")
     records = _load_runs([args.run])[0].records
     recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
     if args.json:
@@ -400,8 +437,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print_deltas(cells, runs[0].label, run.label, TEST, console, _view(args))
         if threshold is not None:
             verdict = "\n".join(f"  {why}" for why in failures)
-            console.print(f"[red]regression beyond {args.fail_on}:[/red]\n{escape(verdict)}" if failures
-                          else f"[green]no significant throughput drop beyond {args.fail_on}[/green]")
+            console.print(Text.assemble((f"regression beyond {args.fail_on}:", "red"), f"\n{verdict}") if failures
+                          else Text(f"no significant throughput drop beyond {args.fail_on}", style="green"))
     return 1 if failures else 0
 
 
@@ -409,10 +446,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from embbench.html_report import check_writable, write_report
 
     out = Path(args.out)
-    check_writable(out)  # before the work, not after it
+    check_writable(out, args.overwrite)  # before the work, not after it
     runs = _load_runs(args.runs)
     write_report(runs, out)
-    console.print(f"report: {escape(str(out))} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)")
+    console.print(Text(f"report: {out} ({out.stat().st_size / 1024:,.0f} KiB, self-contained)"))
     return 0
 
 
@@ -434,9 +471,9 @@ def cmd_project(args: argparse.Namespace) -> int:
             raise RecordError(f"{args.results}: the record of {record.cell_id} holds no scenario config to project from")
         scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
         for row in project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6):
-            table.add_row(escape(record.cell_id), str(record.world_size), f"{row['measured_step_s'] * 1e3:,.2f}",
+            table.add_row(Text(record.cell_id), str(record.world_size), f"{row['measured_step_s'] * 1e3:,.2f}",
                           str(row["world_size"]),
-                          row["link"], f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
+                          Text(row["link"]), f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
     console.print(table)
     return 0
 
@@ -455,9 +492,10 @@ def _view(args: argparse.Namespace) -> View:
     return View(args.columns, args.wide)
 
 
-def _positive(kind: type, zero: bool = False):
-    """An argparse type: a number of ``kind`` above zero, or at least zero with ``zero``
-    (argparse names the flag)."""
+def _positive(kind: type, zero: bool = False, at_most: float | None = None):
+    """An argparse type: a finite number of ``kind`` above zero (at least zero with ``zero``),
+    and at most ``at_most`` if given. Every numeric flag goes through it, so an empty, NaN,
+    infinite or out-of-range value is refused with the flag named (argparse names it)."""
 
     def parse(text: str):
         try:
@@ -466,10 +504,24 @@ def _positive(kind: type, zero: bool = False):
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not (value >= 0 if zero else value > 0):  # also refuses nan
             raise argparse.ArgumentTypeError(f"must be {'at least' if zero else 'above'} 0, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _names(text: str) -> list[str]:
+    """``--strategies a,b``: one name at least, none empty."""
+    names = [name.strip() for name in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError("empty: name at least one strategy (leave the flag out to run them all)")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty name between commas")
+    return names
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -504,7 +556,7 @@ def _add_data_commands(sub) -> None:
     prepare.add_argument("scenario", help="scenario YAML file")
     prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: results/data-cache); "
                          "existing entries are hashed and rebuilt if damaged")
-    prepare.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
+    prepare.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
     trace = sub.add_parser("trace", help="record the id stream a scenario produces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
@@ -514,7 +566,8 @@ def _add_data_commands(sub) -> None:
     record.add_argument("--train-batches", type=_positive(int), help="training batches (default: what a run of the scenario reads)")
     record.add_argument("--eval-batches", type=_positive(int, zero=True), help="evaluation batches (default: run.eval_batches)")
     record.add_argument("--features", action="store_true", help="also record labels and dense features")
-    record.add_argument("--scale", type=_positive(float), help="as `run --scale` (synthetic data only)")
+    record.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a trace (never a record)")
+    record.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
 
@@ -525,8 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run every cell of a scenario and print the comparison")
     run.add_argument("scenario", help="scenario YAML file")
     run.add_argument("--steps", type=_positive(int), help="measured steps per repeat (overrides run.steps)")
-    run.add_argument("--scale", type=_positive(float), help="multiply table cardinalities (overrides data.scale)")
-    run.add_argument("--strategies", help="comma-separated subset of the scenario's strategies")
+    run.add_argument("--scale", type=_positive(float, at_most=1), help="multiply table cardinalities (overrides data.scale)")
+    run.add_argument("--strategies", type=_names, help="comma-separated subset of the scenario's strategies")
     run.add_argument("--out", help="run directory (default: results/runs/<scenario>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
@@ -554,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("run", help="a run directory")
     rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")
     rec.add_argument("--host-memory", metavar="SIZE", help="per host (all ranks together)")
-    rec.add_argument("--auc-tolerance", type=float, default=0.001,
+    rec.add_argument("--auc-tolerance", type=_positive(float, zero=True, at_most=1), default=0.001,
                      help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     rec.set_defaults(func=cmd_recommend)
@@ -568,12 +621,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="one self-contained HTML file: the tables and plots of one or more runs")
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories; with several, the first is the baseline of the comparison")
     rep.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    rep.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a report (never a record)")
     rep.set_defaults(func=cmd_report)
     proj = sub.add_parser("project", help="model throughput at other world sizes and link bandwidths from a run")
     proj.add_argument("results", help="a run directory or one record file")
     proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")
     proj.add_argument("--links", type=_links, help="name=GB/s,... per-rank link bandwidths (default nvlink, pcie5, net400, net100)")
-    proj.add_argument("--latency-us", type=float, default=0.0, help="latency per collective (4 per step), microseconds")
+    proj.add_argument("--latency-us", type=_positive(float, zero=True), default=0.0, help="latency per collective (4 per step), microseconds")
     proj.set_defaults(func=cmd_project)
     return parser
 
@@ -582,11 +636,25 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: the cell's processes are killed, records kept
 
 
+def _stdout_gone() -> int:
+    """``| head`` closed the pipe: say so once; nothing more goes to the closed pipe (not even
+    at exit, where Python flushes stdout)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("error: standard output was closed before everything was written (broken pipe)", file=sys.stderr)
+    return 141  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
+        print(f"error: standard output is closed; embbench {args.command} prints its results there "
+              "(redirect it to a file or /dev/null instead)", file=sys.stderr)
+        return 2
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        return _stdout_gone()
     except (ScenarioError, RecordError, ValueError, OSError, MissingDependency) as e:  # OSError names its file
         print(f"error: {e}", file=sys.stderr)
         return 2

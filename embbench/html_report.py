@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from rich.console import Console
 from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
+from embbench.outputs import claim_output, head_has
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
@@ -176,7 +176,7 @@ def plot_per_rank(run: Run) -> list[str]:
 
 def _rich_html(renderables: list) -> str:
     """rich renderables as inline-styled HTML (the very tables the terminal shows)."""
-    console = Console(record=True, width=300, file=io.StringIO(), color_system="truecolor")
+    console = Console(record=True, width=300, file=io.StringIO(), color_system="truecolor", emoji=False)
     for r in renderables:
         console.print(r)
     return console.export_html(inline_styles=True, code_format="<pre class=\"rich\">{code}</pre>")
@@ -213,7 +213,7 @@ def render_report(runs: list[Run]) -> str:
     from embbench.report import comparison_grid, delta_grid
 
     _pyplot()  # without matplotlib, fail before any work
-    parts = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>embbench report</title>",
+    parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\">{GENERATOR}<title>embbench report</title>",
              f"<style>{_STYLE}</style></head><body><h1>embbench report</h1>"]
     for run in runs:
         first = run.records[0]
@@ -251,18 +251,14 @@ def _scrolling(table: str) -> str:
     return f'<div class="scroll">{table}</div>'
 
 
-def check_writable(out: Path) -> None:
-    """A ValueError saying why ``out`` cannot be written, if it cannot."""
-    try:
-        if out.is_dir():
-            raise ValueError(f"--out {out}: is a directory; give a file name such as {out / 'report.html'}")
-        parent = out.parent if str(out.parent) else Path(".")
-        if not parent.is_dir():
-            raise ValueError(f"--out {out}: no such directory {parent}")
-        if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-            raise ValueError(f"--out {out}: not writable")
-    except OSError as e:  # a name too long, a loop of links, ...
-        raise ValueError(f"--out {out}: {e.strerror}") from None
+#: Marks the reports this command wrote, which a later report may replace (claim_output).
+GENERATOR = '<meta name="generator" content="embbench report">'
+
+
+def check_writable(out: Path, overwrite: bool = False) -> None:
+    """A ValueError saying why ``out`` cannot be written, if it cannot: see
+    :func:`embbench.outputs.claim_output` (a previous report may be replaced, nothing else)."""
+    claim_output(out, "--out", "embbench report", lambda path: head_has(path, GENERATOR.encode()), overwrite)
 
 
 def write_report(runs: list[Run], out: Path) -> Path:

@@ -8,10 +8,11 @@ import time
 from typing import Callable
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
+
+from rich.text import Text
 
 from embbench.results import Record
 from embbench.scenario import Cell
@@ -35,7 +36,7 @@ class RunProgress:
     def __init__(self, console: Console, cells: int, live: bool, lines: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.console, self.lines, self.clock = console, lines, clock
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                  console=console, transient=True, disable=not live)
         self._cells = self.progress.add_task("cells", total=cells)
@@ -53,11 +54,11 @@ class RunProgress:
 
     def on_start(self, cell: Cell) -> None:
         self._started[cell.id] = self.clock()
-        self.progress.reset(self._phase, total=None, description=f"{escape(cell.id)}  starting", visible=True)
+        self.progress.reset(self._phase, total=None, description=f"{cell.id}  starting", visible=True)
 
     def on_progress(self, cell: Cell, phase: str, step: int, total: int) -> None:
         """``step`` steps of ``total`` done in ``phase`` (build, warmup, measure, eval)."""
-        description = f"{escape(cell.id)}  {phase}"
+        description = f"{cell.id}  {phase}"  # plain text: the column does not read markup
         task = self.progress.tasks[self._phase]
         if task.description != description:  # a new phase: its own bar, elapsed time and ETA
             self.progress.reset(self._phase, total=total or None, completed=step, description=description)
@@ -73,8 +74,8 @@ class RunProgress:
             style = _STYLE.get(record.status, "red")
             first_line = record.message.splitlines()[0] if record.message else ""
             took = "" if self.wall[cell.id] is None else f"{self.wall[cell.id]:6.1f} s"
-            self.console.print(f"  [{style}]{record.status:>11}[/{style}]  {took:>8}  {escape(cell.id)}  "
-                               f"[dim]{escape(first_line)}[/dim]")
+            self.console.print(Text.assemble("  ", (f"{record.status:>11}", style), f"  {took:>8}  {cell.id}  ",
+                                             (first_line, "dim")))
 
     def summary(self) -> str:
         """``wall time per cell: a 3.1 s, b 4.0 s (resumed: c); total 7.2 s``."""

@@ -22,6 +22,7 @@ import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from embbench.columns import flat_row
+from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, step_time_test
 from embbench.results import Record
 
@@ -79,6 +80,8 @@ class Suggestion:
 
     family: str
     cache_ratio: float
+    #: what to add to the scenario file, then ``command`` (the run's own settings, shell-quoted)
+    edit: str
     command: str
     basis: str
 
@@ -150,9 +153,10 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
                 continue  # covered: a measured cache fits, and a larger one would not change the answer
         ratio = _round_down(best_ratio)
         scenario = members[0].scenario.get("file", "SCENARIO.yaml")
-        command = (f"add {ratio:g} to {members[0].strategy}'s {CACHE_RATIO} list in {scenario}, then "
-                   f"embbench run {scenario} --strategies {members[0].strategy} --out {run_dir} --resume")
-        suggestions.append(Suggestion(family, ratio, command, basis))
+        edit = f"add {ratio:g} to {members[0].strategy}'s {CACHE_RATIO} list in {scenario}"
+        command = run_command(scenario, run_dir, strategies=[members[0].strategy], resume=True,
+                              **effective_flags(members[0].scenario.get("config") or {}))
+        suggestions.append(Suggestion(family, ratio, edit, command, basis))
     return suggestions, notes
 
 

@@ -262,7 +262,8 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
             console.print(table)
         for s in rec.suggestions:
             console.print(Text(f"not covered by the records: {s.family} at {CACHE_RATIO}={s.cache_ratio:g} "
-                               f"(an estimate: {s.basis})\n  to measure it: {s.command}", style="yellow"))
+                               f"(an estimate: {s.basis})\n  to measure it: {s.edit}, then run\n    {s.command}", style="yellow"),
+                          soft_wrap=True)  # the command is pasted as one line: not wrapped
         for note in rec.notes:
             console.print(Text(f"note: {note}", style="dim"))
 

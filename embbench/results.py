@@ -6,7 +6,9 @@ ends, so an interrupted run keeps what finished. Records carry a schema version.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import functools
 import json
 import math
@@ -18,7 +20,7 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, Iterator, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator, with_config
 from pydantic_core import PydanticCustomError
@@ -27,8 +29,8 @@ from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_ex
 from embbench import buildinfo
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
-           "load_records", "provenance", "read_record", "relevant_packages", "scenario_differences", "schema_error",
-           "write_record"]
+           "load_records", "provenance", "read_record", "relevant_packages", "run_directory_lock", "scenario_differences",
+           "schema_error", "write_record"]
 
 SCHEMA_VERSION = 1
 Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
@@ -443,6 +445,42 @@ def write_record(directory: Path, slug: str, record: Record) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+#: The lock a run holds on its run directory; it names the holder's pid.
+LOCK_FILE = ".embbench-run.lock"
+
+
+@contextlib.contextmanager
+def run_directory_lock(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` for this run: another run into it is refused at once.
+
+    An OS lock (``flock``) on ``directory/.embbench-run.lock``, so a run that is killed, even
+    by SIGKILL, leaves no stale lock (the kernel drops it with the process) and ``--resume``
+    can follow; the file holds the pid of the run holding it.
+
+    Raises:
+        ValueError: another process holds the directory (naming it and the pid), or it
+            cannot be locked.
+    """
+    path = directory / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot create the run directory's lock: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ValueError(f"another run is writing to {directory}/ (pid {holder})") from None
+        except OSError as e:  # a file system without locks
+            raise ValueError(f"{path}: cannot lock the run directory: {e.strerror}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 class RecordError(ValueError):

@@ -21,12 +21,41 @@ from embbench.runner import _classify, run_cell
 from embbench.scenario import Cell, Scenario
 from embbench.strategy import RuntimeEnv
 
-__all__ = ["launched_by_torchrun", "run_cells_in_job"]
+__all__ = ["launched_by_torchrun", "run_cells_in_job", "torchrun_ranks"]
+
+#: What torchrun sets for every rank; one of them alone means a job, and then all are needed.
+_TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_ranks() -> tuple[int, int, int] | None:
+    """``(rank, world size, local rank)`` when torchrun (torch.distributed.run) started this
+    process, None when none of its variables is set.
+
+    Raises:
+        ValueError: a partial or inconsistent torchrun environment, naming what is missing or wrong.
+    """
+    present = [k for k in _TORCHRUN_ENV if k in os.environ]
+    if not any(k in present for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+    missing = [k for k in _TORCHRUN_ENV if k not in present]
+    if missing:
+        raise ValueError(f"environment: {', '.join(present)} set but {', '.join(missing)} not: a partial torchrun "
+                         f"environment (start the job with torchrun, or unset {', '.join(present)})")
+    values = {}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        try:
+            values[key] = int(os.environ[key])
+        except ValueError:
+            raise ValueError(f"environment: {key}={os.environ[key]!r} is not an integer") from None
+    if not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        raise ValueError(f"environment: RANK={values['RANK']}, LOCAL_RANK={values['LOCAL_RANK']} with "
+                         f"WORLD_SIZE={values['WORLD_SIZE']}: need 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0")
+    return values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
 
 
 def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a job that torchrun (torch.distributed.run) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+    """Whether this process is one rank of a job that torchrun started (its environment checked)."""
+    return torchrun_ranks() is not None
 
 
 def run_cells_in_job(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path,
@@ -39,8 +68,8 @@ def run_cells_in_job(scenario: Scenario, scenario_file: str, cells: list[Cell], 
     error, a rank stuck in a collective gives up after the cell's time limit (the process
     group's timeout), and the ranks agree on the first failure. Rank 0 writes the records.
     """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = resolve_device(scenario.run.device, int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world, local_rank = torchrun_ranks()
+    device = resolve_device(scenario.run.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

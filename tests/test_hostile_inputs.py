@@ -180,8 +180,23 @@ def test_an_override_into_a_section_that_is_not_a_mapping_names_the_section(tmp_
     (["data", "prepare", "S", "--scale", "-1"], "--scale", "must be above 0, got -1"),
     (["trace", "record", "S", "--out", "t.npz", "--train-batches", "0"], "--train-batches", "must be above 0, got 0"),
     (["trace", "record", "S", "--out", "t.npz", "--eval-batches", "-1"], "--eval-batches", "must be at least 0, got -1"),
+    # the trust rounds (issue 28): empty, NaN, infinite and out-of-range values
+    (["run", "S", "--strategies", ""], "--strategies", "empty: name at least one strategy"),
+    (["run", "S", "--strategies", " , "], "--strategies", "empty: name at least one strategy"),
+    (["run", "S", "--strategies", "device,,cpu"], "--strategies", "'device,,cpu': an empty name between commas"),
+    (["run", "S", "--scale", "inf"], "--scale", "must be a finite number, got inf"),
+    (["run", "S", "--scale", "2"], "--scale", "must be at most 1, got 2"),
+    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "nan"], "--auc-tolerance", "must be at least 0, got nan"),
+    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "-0.1"], "--auc-tolerance", "must be at least 0, got -0.1"),
+    (["recommend", "R", "--device-memory", "1GiB", "--auc-tolerance", "2"], "--auc-tolerance", "must be at most 1, got 2"),
+    (["project", "R", "--latency-us=-1e6"], "--latency-us", "must be at least 0, got -1e6"),
+    (["project", "R", "--latency-us", "nan"], "--latency-us", "must be at least 0, got nan"),
+    (["project", "R", "--latency-us", "inf"], "--latency-us", "must be a finite number, got inf"),
+    (["project", "R", "--links", "x=inf"], "--links", "x: must be a finite number, got inf"),
 ], ids=["worlds-0", "worlds-negative", "worlds-word", "links-zero", "links-malformed", "steps-0", "scale-nan",
-        "hash-size-0", "prepare-scale", "train-batches-0", "eval-batches-negative"])
+        "hash-size-0", "prepare-scale", "train-batches-0", "eval-batches-negative", "strategies-empty",
+        "strategies-blank", "strategies-hole", "scale-inf", "scale-2", "auc-nan", "auc-negative", "auc-2",
+        "latency-negative", "latency-nan", "latency-inf", "links-inf"])
 def test_bad_flags_are_named(capsys, argv, flag, expected):
     with pytest.raises(SystemExit) as exit_:
         main(argv)

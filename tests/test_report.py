@@ -115,7 +115,7 @@ def test_on_a_terminal_the_phase_step_and_eta_are_shown():
     progress.on_start(cell)
     progress.on_progress(cell, "measure", 3, 10)
     task = progress.progress.tasks[progress._phase]
-    assert (task.description, task.completed, task.total) == ("freqcache\\[cache_ratio=0.1]@w1  measure", 3, 10)
+    assert (task.description, task.completed, task.total) == ("freqcache[cache_ratio=0.1]@w1  measure", 3, 10)
     progress.progress.refresh()
     rendered = out.getvalue()
     assert "freqcache[cache_ratio=0.1]@w1  measure" in rendered and "3/10" in rendered and "ETA" in rendered

@@ -32,6 +32,7 @@ from embbench.cache.device_planner import DevicePlanner
 from embbench.cache.policy import SlotPlanner
 from embbench.data import Stream, SyntheticCriteo, TableSpec
 from embbench.metrics import belady_hit_rates
+from embbench.outputs import claim_output, head_has
 
 __all__ = ["Sweep", "Workload", "run_sweep", "simulate"]
 
@@ -152,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embbench.cache.sweep", description=__doc__.splitlines()[0])
     parser.add_argument("sweep", type=Path, help="sweep YAML file")
     parser.add_argument("--out", type=Path, help="write every workload's result here (JSON)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that is not a sweep's result")
     args = parser.parse_args(argv)
+    if args.out:
+        try:
+            claim_output(args.out, "--out", parser.prog, lambda path: head_has(path, b'"sweep"', b'"results"'),
+                         args.overwrite)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         sweep = Sweep(**yaml.safe_load(args.sweep.read_text()))
     except (ValidationError, TypeError, yaml.YAMLError) as exc:

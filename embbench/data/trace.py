@@ -19,6 +19,9 @@ behaviour of a placement depend on the ids only.
 from __future__ import annotations
 
 import math
+import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,7 @@ from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
 from embbench.data.synthetic import Stream, _hash_effect, _mix
 
-__all__ = ["TRACE_FORMAT", "Trace", "TraceError", "TraceSource", "bags_in_order", "record_trace"]
+__all__ = ["TRACE_FORMAT", "Trace", "TraceError", "TraceSource", "bags_in_order", "is_trace", "record_trace"]
 
 TRACE_FORMAT = "embbench-trace-1"
 _STREAMS = {Stream.TRAIN: "train", Stream.EVAL: "eval"}
@@ -89,27 +92,29 @@ def record_trace(source, num_rows: list[int], batch_size: int, train_batches: in
     return written
 
 
+def is_trace(path: Path) -> bool:
+    """Whether ``path`` is an embbench trace (its ``format`` array says so), damaged or not otherwise."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return str(data["format"]) == TRACE_FORMAT
+    except Exception:  # not an .npz, no format array, truncated: not a trace this command made
+        return False
+
+
 class Trace:
     """A trace file, loaded and checked (every id inside its table, shapes consistent)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
-        try:
-            data = np.load(self.path, allow_pickle=False)
-        except FileNotFoundError:
-            raise TraceError(f"{self.path}: no such trace file") from None
-        except (OSError, ValueError) as e:
-            raise TraceError(f"{self.path}: not an .npz trace ({e})") from None
-        with data:
-            arrays = {k: data[k] for k in data.files}
+        arrays = self._read()
         fmt = str(arrays.get("format", ""))
         if fmt != TRACE_FORMAT:
             raise TraceError(f"{self.path}: format {fmt!r}, expected {TRACE_FORMAT!r}")
-        self.num_rows = self._need(arrays, "num_rows").astype(np.int64)
+        self.num_rows = self._integers("num_rows", self._need(arrays, "num_rows"))
         self.streams: dict[Stream, dict[str, np.ndarray]] = {}
         for stream, name in _STREAMS.items():
-            lengths = self._need(arrays, f"{name}_lengths")
-            values = self._need(arrays, f"{name}_values")
+            lengths = self._integers(f"{name}_lengths", self._need(arrays, f"{name}_lengths"))
+            values = self._integers(f"{name}_values", self._need(arrays, f"{name}_values"))
             if lengths.ndim != 2 or lengths.shape[1] != len(self.num_rows):
                 raise TraceError(f"{self.path}: {name}_lengths has shape {lengths.shape}, expected [samples, {len(self.num_rows)}]")
             if (lengths < 0).any() or int(lengths.sum()) != len(values):
@@ -128,6 +133,38 @@ class Trace:
                         raise TraceError(f"{self.path}: {name}_{key} has shape {a.shape}, expected {list(shape)}")
                     entry[key] = a.astype(np.float32)
             self.streams[stream] = entry
+
+    def _read(self) -> dict[str, np.ndarray]:
+        """Every array of the file; a TraceError naming the file when it is missing, empty,
+        truncated (a partial copy) or not an .npz at all."""
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            raise TraceError(f"{self.path}: an empty file (0 bytes), not an .npz trace")
+        try:
+            with np.load(self.path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        except FileNotFoundError:
+            raise TraceError(f"{self.path}: no such trace file") from None
+        except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # a partial copy: the zip or a member cut short
+            raise TraceError(f"{self.path}: truncated or damaged .npz trace ({e})") from None
+        except (OSError, ValueError) as e:
+            raise TraceError(f"{self.path}: not an .npz trace ({e})") from None
+
+    def _integers(self, key: str, a: np.ndarray) -> np.ndarray:
+        """``a`` as int64: ids and lengths are integers. A float array holding only integral
+        values is converted (said on stderr); any other value is refused, the first one named."""
+        if a.dtype.kind in "iu":
+            return a.astype(np.int64)
+        if a.dtype.kind != "f":
+            raise TraceError(f"{self.path}: {key} holds {a.dtype} values; expected integers")
+        flat = a.reshape(-1)
+        bad = ~np.isfinite(flat) | (flat != np.round(flat)) | (np.abs(flat) > 2**53)
+        if bad.any():
+            i = int(np.argmax(bad))
+            where = np.unravel_index(i, a.shape) if a.ndim > 1 else (i,)
+            raise TraceError(f"{self.path}: {key}[{', '.join(map(str, where))}] = {float(flat[i])!r} is not an integer "
+                             f"({key} must hold integers, not {a.dtype})")
+        print(f"note: {self.path}: {key} is {a.dtype} holding only integers; converted to int64", file=sys.stderr)
+        return a.astype(np.int64)
 
     def _need(self, arrays: dict, key: str) -> np.ndarray:
         if key not in arrays:

@@ -1,0 +1,43 @@
+"""Commands the tool prints for the user to run, as they can be pasted: shell-quoted
+(shlex.join), and carrying the settings that made the run's effective scenario, so that
+following one measures what the run measured."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+__all__ = ["effective_flags", "run_command"]
+
+
+def effective_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """``--steps`` and ``--scale`` as a record's effective scenario (``record.scenario["config"]``)
+    has them; none for what the config does not hold (a record without it)."""
+    flags = {}
+    steps = (config.get("run") or {}).get("steps")
+    if steps is not None:
+        flags["steps"] = steps
+    data = config.get("data") or {}
+    if data.get("source", "synthetic") == "synthetic" and data.get("scale") is not None:
+        flags["scale"] = data["scale"]  # the other sources refuse --scale
+    return flags
+
+
+def run_command(scenario: str | Path, out: str | Path | None = None, steps: int | None = None, scale: float | None = None,
+                strategies: list[str] | None = None, data_cache: str | Path | None = None, resume: bool = False,
+                force: bool = False, profile: bool = False) -> str:
+    """``embbench run`` with these settings, shell-quoted (no ``--out``: the default run directory)."""
+    argv = ["embbench", "run", str(scenario)]
+    if steps is not None:
+        argv += ["--steps", str(steps)]
+    if scale is not None:
+        argv += ["--scale", repr(float(scale))]  # repr: the exact float, so the same scenario digest
+    if strategies:
+        argv += ["--strategies", ",".join(strategies)]
+    if out is not None:
+        argv += ["--out", str(out)]
+    if data_cache is not None:
+        argv += ["--data-cache", str(data_cache)]
+    argv += ["--resume"] * resume + ["--force"] * force + ["--profile"] * profile
+    return shlex.join(argv)

@@ -1,0 +1,67 @@
+"""Files that output flags write (``report --out``, ``trace record --out``, ``run --profile``,
+the policy sweep's ``--out``): never one the command did not make.
+
+Every output flag checks its target with :func:`claim_output` before any work: a target that
+exists may be replaced only when it is an earlier output of the same command (recognised by
+its content: the report's generator mark, the trace's format, ...) or when the user says
+so (``--overwrite``). A result record is never replaced by anything but ``embbench run``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["claim_output", "head_has"]
+
+#: How much of an existing file is read to recognise it.
+_HEAD = 1 << 16
+
+
+def head_has(path: Path, *marks: bytes) -> bool:
+    """Whether the start of ``path`` holds every one of ``marks`` (False if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD)
+    except OSError:
+        return False
+    return all(mark in head for mark in marks)
+
+
+def _is_record(path: Path) -> bool:
+    """A result record (``embbench run`` writes ``schema_version`` and ``cell_id`` first)."""
+    return head_has(path, b'"schema_version"', b'"cell_id"')
+
+
+def claim_output(path: Path, flag: str, command: str, made_here: Callable[[Path], bool],
+                 overwrite: bool = False) -> None:
+    """Check, before the work, that ``command``'s ``flag`` may write ``path``.
+
+    Args:
+        made_here: whether an existing file is an earlier output of ``command`` (which it may
+            replace).
+        overwrite: the user allows replacing any other file (never a result record).
+
+    Raises:
+        ValueError: naming the flag and the file: a directory, a missing or unwritable
+            directory, a result record, or a file ``command`` did not make (without ``overwrite``).
+    """
+    try:
+        if path.is_dir():
+            raise ValueError(f"{flag} {path}: is a directory; give a file name")
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {path}: no such directory {parent}")
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ValueError(f"{flag} {path}: not writable")
+        if not path.exists() and not path.is_symlink():
+            return
+        if path.is_file() and _is_record(path):
+            raise ValueError(f"{flag} {path}: is a result record; only `embbench run` writes records: "
+                             "give another file name")
+        if not overwrite and not (path.is_file() and made_here(path)):
+            raise ValueError(f"{flag} {path}: exists and was not made by `{command}`; give another file name, "
+                             "or --overwrite to replace it")
+    except OSError as e:  # a name too long, a loop of links, ...
+        raise ValueError(f"{flag} {path}: {e.strerror}") from None
