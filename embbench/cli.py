@@ -34,7 +34,7 @@ from embbench.results import RecordError, by_scenario, load_records, run_directo
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 from embbench.table_view import View, column_names
-from embbench.torchrun_job import launched_by_torchrun, run_cells_in_job
+from embbench.torchrun_job import run_cells_in_job, torchrun_ranks
 
 
 class _Console(Console):

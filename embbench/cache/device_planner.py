@@ -336,7 +336,6 @@ class DevicePlanner:
         unique, ids, order, group = self._distinct(rows)
         valid = unique < self.pad_row
         slot = self._lookup(unique)
-        resident = slot != sink
         cached = self.slot_cached[slot]  # the sink is never cached
         self.slot_plan.index_fill_(0, slot, self._pid)  # kept for this batch from here on
 
