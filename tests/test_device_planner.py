@@ -4,7 +4,6 @@ them, and hit rates beside the host planner it replaced (the reference model).""
 
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -84,7 +83,7 @@ def test_the_slot_map_stays_consistent_and_next_uses_are_the_window_s(steps, cap
     planner = DevicePlanner(num_rows=30, capacity=capacity, max_ids=8, lookahead=ahead, device=CPU,
                             admission=admission, decay_every=decay)
     planner.preload(torch.arange(capacity))
-    S, numbers, contents, previous = planner.num_slots, {}, {}, None
+    S, numbers, previous = planner.num_slots, {}, None
 
     def check(i, plan):
         nonlocal previous

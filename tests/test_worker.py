@@ -7,7 +7,6 @@ import torch
 
 from embbench.metrics import OpCounter
 from embbench.worker import BackgroundWorker
-from tests.conftest import tiny_scenario, train_and_flush
 
 
 def _ops(n: int) -> None:
