@@ -105,7 +105,9 @@ def rich_table(grid: Grid, keys: Sequence[str], identity_width: int | None = Non
     at most ``identity_width`` wide (None: as wide as it is)."""
     by_key = {c.key: c for c in grid.columns}
     caption = _caption(grid, keys)
-    table = Table(title=grid.title, header_style="bold", caption=caption or None)
+    # User text (titles name scenarios and paths; captions name strategies) is never read as markup.
+    title = Text(grid.title, style="table.title") if isinstance(grid.title, str) else grid.title
+    table = Table(title=title, header_style="bold", caption=Text(caption, style="table.caption") if caption else None)
     for key in keys:
         # fold, not crop: on a narrow terminal a long cell id breaks over lines rather than losing its end
         table.add_column(by_key[key].header, justify=by_key[key].justify, overflow="fold",

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,7 @@ def _flat(text: str) -> str:
 @example(name="\\[b]")
 def test_names_and_paths_with_brackets_and_backslashes_reach_the_terminal_unchanged(tmp_path, capsys, monkeypatch, name):
     _in_process_cells(monkeypatch)
+    tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))  # one per example: names like ":" and ":/" share a path
     scenario = _write(tmp_path, tiny_scenario(name=name))
     out = tmp_path / ("o" + name) / "run"
     code, text, err = _cli(capsys, "run", scenario, "--dry-run")
@@ -191,16 +193,14 @@ def _in_process_cells(monkeypatch, device_bytes=lambda cell: 0, interrupt: bool 
     """``embbench run`` without processes: each cell 'measures' at once (``device_bytes`` its memory)."""
     from embbench import cli
     from embbench.launch import CellOutcome, run_cells
-    from embbench.metrics import summarize
+    from tests.record_factory import make_record
 
     def measure(cell, weights):
         if interrupt:
             raise KeyboardInterrupt
-        return CellOutcome("ok", None, {
-            "step_time_s": summarize([0.01, 0.011] * 3),
-            "throughput": {"mean": 100.0, "ci95": [90.0, 110.0], "per_repeat": [100.0, 100.0]},
-            "memory": {"static_device_bytes": device_bytes(cell), "static_host_bytes": 0, "pinned_bytes": 0},
-            "counters": {"total": {}}, "measured_steps": 6, "samples_per_step": 64, "warmup_steps": 1})
+        metrics = make_record().metrics  # a complete record's measurements (the schema checks them)
+        metrics["memory"] = {**metrics["memory"], "static_device_bytes": device_bytes(cell)}
+        return CellOutcome("ok", None, metrics)
 
     monkeypatch.setattr(cli, "run_cells", lambda *a, **kw: run_cells(*a, **{**kw, "execute": measure}))
 

@@ -226,8 +226,8 @@ def _npy_layout(path: Path) -> tuple[np.dtype, tuple[int, ...], int]:
             version = np.lib.format.read_magic(f)
             read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read(f)
-        except (ValueError, SyntaxError, EOFError, OSError) as e:
-            raise _Damaged(f"{path.name} is not a .npy file ({e})") from None
+        except Exception as e:  # numpy parses the header with ast/tokenize: damage raises many kinds
+            raise _Damaged(f"{path.name} is not a .npy file ({type(e).__name__}: {e})") from None
         if fortran:
             raise _Damaged(f"{path.name}: Fortran order, expected C order")
         return dtype, shape, f.tell()
