@@ -220,8 +220,11 @@ class Scenario(_Strict):
         return open_source(self.data, self.run, device)
 
     def digest(self) -> str:
-        """A hash of the effective scenario (after command-line overrides)."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """A hash of the effective scenario (after command-line overrides): what a cell's
+        measurement depends on. The strategy list is left out (each cell names its strategy and
+        parameters), so adding a cell to a scenario keeps the cells already measured comparable
+        and reusable (``--resume``), as ``recommend``'s "add this ratio, then run" suggests."""
+        canonical = json.dumps(self.model_dump(mode="json", exclude={"strategies"}), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def weights_compared(self) -> bool:

@@ -227,6 +227,33 @@ def test_recommends_command_carries_the_runs_steps_scale_and_quoted_path(tmp_pat
         scenario, 6, 0.0003, ["freqcache"], run, True)
 
 
+def test_recommends_suggestion_followed_as_printed_adds_the_cell_and_reuses_the_others(tmp_path, capsys, monkeypatch):
+    """"add 0.05 to ...'s cache_ratio list in S, then <command>": the edited scenario is the same
+    scenario for the run directory (its strategy list is not what a cell's measurement depends on)."""
+    raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": [0.1, 0.2]}}])
+    scenario, run = _write(tmp_path, raw, "s.yaml"), tmp_path / "run"
+    measured = []
+
+    def device_bytes(cell):
+        measured.append(cell.id)
+        return int((10 + 1000 * cell.params.get("cache_ratio", 1)) * 2**20)
+
+    _in_process_cells(monkeypatch, device_bytes)
+    assert _cli(capsys, "run", scenario, "--steps", "6", "--out", run)[0] == 0
+    before = sorted(p.name for p in run.glob("*.json"))
+    code, out, err = _cli(capsys, "recommend", run, "--device-memory", "60MiB")
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "to measure it:" in line)
+    ratio = float(lines[at].split("add ")[1].split(" ")[0])
+    raw["strategies"][1]["params"]["cache_ratio"].append(ratio)  # the edit, as printed
+    _write(tmp_path, raw, "s.yaml")
+    measured.clear()
+    code, _, err = _cli(capsys, *shlex.split(lines[at + 1].strip())[1:])
+    assert code == 0, err
+    assert measured == [f"freqcache[cache_ratio={ratio:g}]@w1"], "only the suggested cell runs; the others are reused"
+    assert len(list(run.glob("*.json"))) == len(before) + 1
+
+
 def test_an_interrupted_run_prints_the_command_that_resumes_it(tmp_path, capsys, monkeypatch):
     scenario, run = _write(tmp_path, tiny_scenario(), "s c.yaml"), tmp_path / "my run"
     _in_process_cells(monkeypatch, interrupt=True)
