@@ -86,3 +86,30 @@ def test_device_plan_one_batch(benchmark, scale, lookahead):
     c = planner.counters()
     benchmark.extra_info.update(rows=space.num_rows, capacity=planner.capacity, planner_device_bytes=planner.nbytes,
                                 hit_rate=c["hits"] / c["accesses"])
+
+
+@pytest.mark.parametrize("lookahead", [8, 32, 64])
+@pytest.mark.parametrize("preset,dim", [("criteo_kaggle", 128), ("criteo_1tb_freq3", 64)])
+def test_device_planner_bytes(benchmark, preset, dim, lookahead):
+    """The device planner's metadata at full size (batch 16384, 1.5 %), built on meta tensors
+    (no memory is allocated), against the slot tensors' bytes (rows with rowwise-Adagrad state).
+    Printed with ``-s``; also in the benchmark's extra_info."""
+    import torch
+
+    from embbench.cache.device_planner import DevicePlanner
+
+    tables = make_tables(preset, dim=dim, scale=1.0)
+    rows, ids = sum(t.num_rows for t in tables), BATCH * sum(t.bag_size for t in tables)
+    meta = torch.device("meta")
+
+    def build():
+        with meta:
+            return DevicePlanner(rows, math.ceil(CACHE_RATIO * rows), ids, lookahead, meta, decay_every=256)
+
+    planner = benchmark.pedantic(build, rounds=1, iterations=1)
+    slot_bytes = (planner.num_slots + 1) * (dim + 1) * 4
+    benchmark.extra_info.update(planner_bytes=planner.nbytes, slot_tensor_bytes=slot_bytes,
+                                window_bytes=planner.window.nbytes, sketch_bytes=planner.sketch.nbytes)
+    print(f"\n{preset} dim {dim} look-ahead {lookahead}: planner {planner.nbytes / 2**20:.0f} MiB (window "
+          f"{planner.window.nbytes / 2**20:.0f}, sketch {planner.sketch.nbytes / 2**20:.0f}), slot tensors "
+          f"{slot_bytes / 2**20:.0f} MiB: {100 * planner.nbytes / slot_bytes:.0f} %")

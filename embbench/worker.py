@@ -1,6 +1,6 @@
 """A strategy's background thread: work it hands off so that the training thread goes on.
 
-Strategies that plan on the host (freqcache, sfctr) run that planning here, beside the
+Strategies that plan on the host (sfctr) run that planning here, beside the
 step's device work. :class:`BackgroundWorker` keeps the measurements true for that work:
 
 * its tasks run one at a time, in the order given, on the strategy's device (a new thread

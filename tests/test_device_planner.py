@@ -151,8 +151,8 @@ def test_writes_back_only_dirty_rows_and_loads_each_missing_row_once():
 @pytest.mark.parametrize("ratio,batch_ids,lookahead", [(0.015, 512, 8), (0.05, 256, 8), (0.05, 512, 32)])
 def test_hit_rates_are_the_host_planner_s_within_a_few_tenths_of_a_point(ratio, batch_ids, lookahead):
     """Against the reference model (the NumPy SlotPlanner): a cache smaller and larger than a
-    batch's distinct rows (fully associative, the same policy: they differ only in ties and
-    in the count-min sketch's hashing)."""
+    batch's distinct rows (fully associative, the same policy and sketch: they differ only in
+    how ties are broken)."""
     results = {}
     for planner in ("host", "device"):
         w = Workload(alpha=1.05, rows=20_000, cache_ratio=ratio, batch_ids=batch_ids, lookahead=lookahead, planner=planner)

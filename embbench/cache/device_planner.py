@@ -92,6 +92,8 @@ class DevicePlan:
     load_slots: Tensor
     load_rows: Tensor
     late: Tensor
+    sink: int  # the padding of slot lists
+    pad_row: int  # the padding of host-row lists
 
     def part(self, late: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The early (or late) moves, the others replaced by padding: ``(write-back slots,
@@ -100,9 +102,6 @@ class DevicePlan:
         sink, pad = self.sink, self.pad_row  # Python numbers: no host-to-device copy (a graph captures the ops)
         return (torch.where(mine, self.write_back_slots, sink), torch.where(mine, self.write_back_rows, pad),
                 torch.where(mine, self.load_slots, sink), torch.where(mine, self.load_rows, pad))
-
-    sink: int = 0
-    pad_row: int = 0
 
 
 class DevicePlanner:

@@ -1,4 +1,5 @@
-"""freqcache's slot planner: which row sits in which device slot, decided on the host.
+"""freqcache's host slot planner (freqcache v2's; now the reference model of the device
+planner, :mod:`embbench.cache.device_planner`): which row sits in which slot, decided on the host.
 
 The planner keeps the whole slot map in NumPy arrays and turns a batch's ids into a
 :class:`Plan`: the slot of every distinct row, the rows to copy in (host -> device), and the dirty
