@@ -55,14 +55,17 @@ def test_plan_one_batch(benchmark, scale, lookahead):
                                 hit_rate=c["hits"] / c["accesses"])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("lookahead", [8, 64])
 @pytest.mark.parametrize("scale", [0.1, 1.0])
-def test_device_plan_one_batch(benchmark, scale, lookahead):
+def test_device_plan_one_batch(benchmark, scale, lookahead, compiled):
     """freqcache v3's device planner, run on the CPU here (on a GPU the same ops run there):
-    one round is one step's decisions, a batch entering the window and the next one planned."""
+    one round is one step's decisions, a batch entering the window and the next one planned;
+    eager operations, or the steady-state steps compiled (torch.compile, as freqcache's
+    ``compile`` does)."""
     import torch
 
-    from embbench.cache.device_planner import DevicePlanner
+    from embbench.cache.device_planner import DevicePlanner, StepKind
 
     tables = make_tables("criteo_kaggle", dim=128, scale=scale)
     space = RowSpace(tables)
@@ -74,11 +77,22 @@ def test_device_plan_one_batch(benchmark, scale, lookahead):
     batches = rows[PROFILE:]
     numbers = {i: planner.enter(batches[i]) for i in range(1, 1 + lookahead)}
     state = {"i": 0, "running": planner.plan(batches[0], train=True).id}
+    steady = StepKind(keeps_running=True, number="next")
+
+    def plan(rows):
+        return planner.device_step(rows, True, steady)
+
+    enter_step, plan_step = ((torch.compile(planner.device_enter, dynamic=False), torch.compile(plan, dynamic=False))
+                             if compiled else (planner.device_enter, plan))
 
     def step():
         i = state["i"] = state["i"] + 1
-        numbers[i + lookahead] = planner.enter(batches[i + lookahead])
-        state["running"] = planner.plan(batches[i], train=True, running=state["running"], number=numbers.pop(i)).id
+        numbers[i + lookahead] = planner.advance_entered()
+        enter_step(batches[i + lookahead])
+        pid, kind = planner.advance(True, state["running"], numbers.pop(i))
+        assert kind == steady
+        plan_step(batches[i])
+        state["running"] = pid
 
     for _ in range(5):  # warm-up, not measured
         step()

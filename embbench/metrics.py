@@ -47,7 +47,8 @@ class StepTimer:
 
 class OpCounter:
     """Counts the ATen operator calls issued inside it (forward, backward and optimizer alike)
-    and, on CUDA, the operations that made the host wait for the device.
+    and, on CUDA, the operations that made the host wait for the device. A region compiled with
+    ``torch.compile`` runs compiled here too: its ATen calls are counted, its fused kernels not.
 
     It sees every op through a TorchDispatchMode, which slows the ops it watches: use it on
     extra, untimed steps only. A dispatch mode watches one thread: a strategy's own threads
@@ -71,6 +72,13 @@ class OpCounter:
         counter = self
 
         class _Count(TorchDispatchMode):
+            @classmethod
+            def ignore_compile_internals(cls) -> bool:
+                # A compiled region (torch.compile) runs compiled, not eagerly, while it is
+                # counted: its fused kernels are not ATen ops; the ops it dispatches (library
+                # kernels it calls, such as sort) are counted.
+                return True
+
             def __init__(self):
                 super().__init__()
                 self.ops = 0

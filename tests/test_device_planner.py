@@ -164,9 +164,11 @@ def test_hit_rates_are_the_host_planner_s_within_a_few_tenths_of_a_point(ratio, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_sync():
-    """freqcache with its steady-state steps replayed from CUDA graphs trains exactly as with
-    them run eagerly (and as whole tables), and a replayed step never waits for the device."""
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_sync(compile_):
+    """freqcache with its steady-state steps (compiled or not) replayed from CUDA graphs trains
+    exactly as with them run eagerly (and as whole tables), and a replayed step never waits for
+    the device."""
     from baselines.tables import WholeTables
     from embbench.cache import FreqCache, FreqCacheParams
     from embbench.optim import EmbeddingOptimizer
@@ -204,11 +206,13 @@ def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_syn
         return replace(_context(tables, opt, [b.cpu() for b in batches]), env=RuntimeEnv(device))
 
     params = dict(cache_ratio=0.05, lookahead=4, profile_batches=2)
-    graphed = FreqCache(context(), FreqCacheParams(**params, cuda_graph=True))
-    eager = FreqCache(context(), FreqCacheParams(**params, cuda_graph=False))
+    graphed = FreqCache(context(), FreqCacheParams(**params, cuda_graph=True, compile=compile_))
+    eager = FreqCache(context(), FreqCacheParams(**params, cuda_graph=False, compile=False))
     got, expected = train(graphed, sync_check=True), train(eager, sync_check=False)
     reference = train(WholeTables(context()), sync_check=False)
-    assert graphed.extra_metrics()["cache_graph_captured"], graphed.extra_metrics()["cache_graph"]
+    extra = graphed.extra_metrics()
+    assert extra["cache_graph_captured"], extra["cache_graph"]
+    assert extra["cache_compiled"] == (["enter", "late", "plan"] if compile_ else []), extra["cache_compile"]
     for a, b, c in zip(got, expected, reference):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a.cpu(), c.cpu())

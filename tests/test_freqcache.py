@@ -1,6 +1,8 @@
 """freqcache against the whole-table reference: same outputs and weights, under any id
 stream, cache size, policy and prefetch setting; consistent counters and maps."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -424,3 +426,58 @@ def test_initial_weights_filled_by_threads_equal_the_tables_made_in_one_go():
     placed = torch.empty(space.num_rows, 4)
     space.fill_initial(placed, init, position=lambda rows: reverse[rows], chunk=30_000, workers=3)
     assert torch.equal(placed, whole.flip(0))
+
+
+def _steady_counted(compile_: bool, batch: int, steps: int = 14, counted: range = range(9, 12)):
+    """freqcache trained on full batches (every step from the third is steady), beside whole
+    tables; returns its outputs, the reference's, both flushed tables, the ATen ops per counted
+    step, and the record's extra metrics."""
+    from embbench.data import Stream, SyntheticCriteo
+    from embbench.metrics import OpCounter
+
+    tables = [TableSpec("t0", 3000, 8, 2, 1.05), TableSpec("t1", 500, 8, 1, 1.1)]
+    data = SyntheticCriteo(tables, 0)
+    batches = [data.batch(Stream.TRAIN, i, batch).sparse for i in range(steps)]
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.2)
+    cache = FreqCache(_context(tables, opt, batches),
+                      FreqCacheParams(cache_ratio=0.02, lookahead=4, profile_batches=2, compile=compile_))
+    reference = WholeTables(_context(tables, opt, batches))
+    counter = OpCounter(torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    got = []
+    for i, features in enumerate(batches):
+        with counter if i in counted else contextlib.nullcontext():
+            if i + 1 < len(batches):
+                cache.look_ahead(batches[i + 1 : i + 1 + cache.lookahead])
+            out = cache(features)
+            if i + 1 < len(batches):
+                cache.prefetch(batches[i + 1])
+            (out * torch.randn(out.shape, generator=g)).sum().backward()
+            cache.end_step()
+        got.append(out.detach())
+    return (got, _train(reference, batches, prefetch=False), cache.flush(), reference.flush(),
+            counter.ops / len(counted), cache.extra_metrics())
+
+
+def test_compiled_steps_train_exactly_like_eager_ones_with_fewer_operators_the_same_at_any_batch():
+    """compile: true fuses the steady-state steps (window entry, plan with its early moves, late
+    moves): the same outputs and tables as whole tables, fewer ATen operators a step than
+    eagerly, and the same count at two batch sizes."""
+    ops = {}
+    for compile_, batch in ((False, 16), (True, 16), (True, 48)):
+        got, expected, tables, reference, ops[compile_, batch], extra = _steady_counted(compile_, batch)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+        for a, b in zip(tables, reference):
+            torch.testing.assert_close(a, b)
+        if compile_:
+            assert extra["cache_compiled"] == ["enter", "late", "plan"], extra["cache_compile"]
+        else:
+            assert extra["cache_compiled"] == [] and extra["cache_compile"] == "off: compile is false"
+    assert ops[True, 16] == ops[True, 48] < ops[False, 16] - 100, ops
+
+
+def test_compile_auto_is_on_only_on_cuda():
+    tables, batches = [TableSpec("t0", 50, 4, 1, 1.0)], [SparseFeatures(torch.arange(4), torch.ones(4, dtype=torch.long), 1)]
+    cache = FreqCache(_context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches), FreqCacheParams())
+    assert cache.extra_metrics()["cache_compile"] == "off: not on CUDA (compile: auto)"

@@ -98,10 +98,16 @@ class DevicePlan:
     def part(self, late: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The early (or late) moves, the others replaced by padding: ``(write-back slots,
         write-back rows, load slots, load rows)``."""
-        mine = self.late if late else ~self.late
-        sink, pad = self.sink, self.pad_row  # Python numbers: no host-to-device copy (a graph captures the ops)
-        return (torch.where(mine, self.write_back_slots, sink), torch.where(mine, self.write_back_rows, pad),
-                torch.where(mine, self.load_slots, sink), torch.where(mine, self.load_rows, pad))
+        return self.moves(self.late if late else ~self.late, self.write_back_slots, self.write_back_rows,
+                          self.load_slots, self.load_rows, self.sink, self.pad_row)
+
+    @staticmethod
+    def moves(mine: Tensor, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor,
+              sink: int, pad_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The moves ``mine`` marks, the others replaced by padding (``sink`` and ``pad_row``
+        are Python numbers: no host-to-device copy, and a graph captures the ops)."""
+        return (torch.where(mine, write_back_slots, sink), torch.where(mine, write_back_rows, pad_row),
+                torch.where(mine, load_slots, sink), torch.where(mine, load_rows, pad_row))
 
 
 class DevicePlanner:

@@ -51,6 +51,8 @@ class Sweep(BaseModel):
     admission: list[Literal["all", "tinylfu"]] = ["tinylfu"]
     lookahead: list[int] = [8]
     planner: list[Literal["device", "host"]] = ["device"]
+    drift_every: list[int] = Field([0], description="the hot ids change every this many batches (0: never)")
+    drift_fraction: float = Field(0.2, ge=0, le=1, description="the share of hot ids remapped at each change")
     decay_every: int = Field(256, ge=0)
     profile_batches: int = Field(32, ge=0)
     warmup_steps: int = Field(16, ge=0)
@@ -68,13 +70,16 @@ class Workload(BaseModel):
     admission: Literal["all", "tinylfu"] = "tinylfu"
     lookahead: int = Field(8, ge=0)
     planner: Literal["device", "host"] = "device"
+    drift_every: int = Field(0, ge=0)
+    drift_fraction: float = Field(0.0, ge=0, le=1)
 
 
 def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
              steps: int = 64, seed: int = 0) -> dict:
     """The policy's and Belady's hit rates on one workload (see the module docstring)."""
     table = TableSpec("t0", w.rows, 1, 1, w.alpha)
-    data = SyntheticCriteo([table], seed)
+    drift = {"drift_every": w.drift_every, "drift_fraction": w.drift_fraction} if w.drift_every else {}
+    data = SyntheticCriteo([table], seed, **drift)
     first, total = profile_batches, profile_batches + warmup_steps + steps
     batches = [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(total + w.lookahead)]
     capacity = max(1, min(w.rows, round(w.cache_ratio * w.rows)))
@@ -130,9 +135,9 @@ def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, first: 
 
 def run_sweep(sweep: Sweep):
     """Each workload's result, as it is computed."""
-    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead", "planner")
+    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead", "planner", "drift_every")
     for values in itertools.product(*(getattr(sweep, k) for k in keys)):
-        w = Workload(**dict(zip(keys, values)))
+        w = Workload(**dict(zip(keys, values)), drift_fraction=sweep.drift_fraction if values[-1] else 0.0)
         yield simulate(w, sweep.decay_every, sweep.profile_batches, sweep.warmup_steps, sweep.steps,
                        sweep.seed)
 
@@ -168,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.sweep}: {exc}", file=sys.stderr)
         return 2
     results = []
-    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} {'plan':>6} | "
+    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} {'plan':>6} {'drift':>5} | "
           f"{'hit':>6} {'MIN':>6} {'gap':>5} | {'uniq':>6} {'MIN':>6} {'gap':>5}")
     for r in run_sweep(sweep):
         results.append(r)
         print(f"{r['alpha']:5.2f} {r['rows']:8d} {r['cache_ratio']:6.3f} {r['batch_ids']:6d} {r['admission']:>7} "
-              f"{r['lookahead']:5d} {r['planner']:>6} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
+              f"{r['lookahead']:5d} {r['planner']:>6} {r['drift_every']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
               f"{100 * r['gap']:5.2f} | {100 * r['unique_hit_rate']:6.2f} {100 * r['belady_unique_hit_rate']:6.2f} "
               f"{100 * r['unique_gap']:5.2f}", flush=True)
     print(_summary(results))
