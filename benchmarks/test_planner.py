@@ -102,28 +102,38 @@ def test_device_plan_one_batch(benchmark, scale, lookahead, compiled):
                                 hit_rate=c["hits"] / c["accesses"])
 
 
-@pytest.mark.parametrize("lookahead", [8, 32, 64])
+@pytest.mark.parametrize("lookahead", [8, 64, "auto"])
 @pytest.mark.parametrize("preset,dim", [("criteo_kaggle", 128), ("criteo_1tb_freq3", 64)])
 def test_device_planner_bytes(benchmark, preset, dim, lookahead):
     """The device planner's metadata at full size (batch 16384, 1.5 %), built on meta tensors
-    (no memory is allocated), against the slot tensors' bytes (rows with rowwise-Adagrad state).
-    Printed with ``-s``; also in the benchmark's extra_info."""
+    (no memory is allocated), against the cache's row bytes: the cached rows' and all slot
+    tensors' (staging slots included), rows with rowwise-Adagrad state. The window is sized as
+    freqcache sizes it, from the distinct rows of 8 profiled batches. Printed with ``-s``; also
+    in the benchmark's extra_info."""
     import torch
 
     from embbench.cache.device_planner import DevicePlanner
+    from embbench.cache.freqcache import cache_window
 
     tables = make_tables(preset, dim=dim, scale=1.0)
-    rows, ids = sum(t.num_rows for t in tables), BATCH * sum(t.bag_size for t in tables)
+    space, data = RowSpace(tables), SyntheticCriteo(tables, seed=0)
+    rows, ids = space.num_rows, BATCH * sum(t.bag_size for t in tables)
+    capacity, row_bytes = math.ceil(CACHE_RATIO * rows), (dim + 1) * 4
+    distinct = [len(space.global_rows(data.batch(Stream.TRAIN, i, BATCH).sparse).unique()) for i in range(8)]
+    ahead, window_rows = cache_window(distinct, rows, capacity, ids, row_bytes, lookahead)
     meta = torch.device("meta")
 
     def build():
         with meta:
-            return DevicePlanner(rows, math.ceil(CACHE_RATIO * rows), ids, lookahead, meta, decay_every=256)
+            return DevicePlanner(rows, capacity, ids, ahead, meta, decay_every=256, window_rows=window_rows)
 
     planner = benchmark.pedantic(build, rounds=1, iterations=1)
-    slot_bytes = (planner.num_slots + 1) * (dim + 1) * 4
-    benchmark.extra_info.update(planner_bytes=planner.nbytes, slot_tensor_bytes=slot_bytes,
-                                window_bytes=planner.window.nbytes, sketch_bytes=planner.sketch.nbytes)
-    print(f"\n{preset} dim {dim} look-ahead {lookahead}: planner {planner.nbytes / 2**20:.0f} MiB (window "
-          f"{planner.window.nbytes / 2**20:.0f}, sketch {planner.sketch.nbytes / 2**20:.0f}), slot tensors "
-          f"{slot_bytes / 2**20:.0f} MiB: {100 * planner.nbytes / slot_bytes:.0f} %")
+    slot_bytes, cached_bytes = (planner.num_slots + 1) * row_bytes, capacity * row_bytes
+    benchmark.extra_info.update(planner_bytes=planner.nbytes, slot_tensor_bytes=slot_bytes, cached_row_bytes=cached_bytes,
+                                window_bytes=planner.window.nbytes, sketch_bytes=planner.sketch.nbytes,
+                                lookahead=ahead, window_rows=window_rows)
+    print(f"\n{preset} dim {dim} look-ahead {lookahead} ({ahead} batches, {window_rows} rows each): planner "
+          f"{planner.nbytes / 2**20:.0f} MiB (window {planner.window.nbytes / 2**20:.0f}, sketch "
+          f"{planner.sketch.nbytes / 2**20:.0f}); {100 * planner.nbytes / cached_bytes:.0f} % of the cached rows' "
+          f"{cached_bytes / 2**20:.0f} MiB, {100 * planner.nbytes / slot_bytes:.0f} % of the slot tensors' "
+          f"{slot_bytes / 2**20:.0f} MiB")

@@ -216,3 +216,31 @@ def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_syn
     for a, b, c in zip(got, expected, reference):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a.cpu(), c.cpu())
+
+
+def test_the_automatic_window_sees_about_ten_pairs_per_cache_row_within_its_bounds_and_bytes():
+    from embbench.cache.device_planner import AUTO_LOOKAHEAD, window_size
+
+    # 1000 cached rows, 100 distinct rows a batch: 100 batches; room 1.25 x the most distinct rows
+    assert window_size([90, 110], 1000, 512, None) == (100, 138)
+    assert window_size([90, 110], 1000, 512, 16) == (16, 138)  # a given look-ahead stays
+    assert window_size([100], 10, 512, None)[0] == AUTO_LOOKAHEAD[0]
+    assert window_size([1], 10**6, 512, None)[0] == AUTO_LOOKAHEAD[1]
+    assert window_size([100], 1000, 512, None, max_pairs=125 * 41) == (40, 125)  # bounded by bytes
+    assert window_size([], 1000, 512, None) == (20, 512)  # nothing profiled: a batch of all-distinct ids
+
+
+def test_pairs_that_do_not_fit_the_window_are_dropped_and_counted_never_misplaced():
+    """A window with room for 3 rows a batch: a batch of 5 distinct rows overflows it; the pairs
+    kept are still sorted, live and unique, and every slot still holds its row."""
+    planner = DevicePlanner(num_rows=100, capacity=4, max_ids=5, lookahead=2, device=CPU, window_rows=3)
+    batches = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([1, 2, 6, 6, 7]), torch.tensor([8, 9, 1, 2, 3]),
+               torch.tensor([4, 5, 6, 7, 8]), torch.tensor([9, 9, 9, 1, 2])]
+
+    def check(i, plan):
+        assert torch.equal(planner.slot_row[plan.slots].long(), batches[i])
+        keys = planner.window[planner.window != torch.iinfo(torch.int64).max]
+        assert torch.equal(keys, keys.sort().values) and len(keys.unique()) == len(keys)
+
+    _drive(planner, batches, range(len(batches)), {}, each=check)
+    assert planner.counters()["window_pairs_dropped"] > 0

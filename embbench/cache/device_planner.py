@@ -36,12 +36,13 @@ step that may still compute); its cached slots may be, as Belady would: the move
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["DevicePlan", "DevicePlanner", "StepKind"]
+__all__ = ["DevicePlan", "DevicePlanner", "StepKind", "window_size"]
 
 #: Bits of a window key that hold the batch number (the rest hold the row).
 _NUMBER_BITS = 24
@@ -56,7 +57,38 @@ _MULTIPLIERS = [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6
 
 #: The planner's counters, in the order of its counter tensor.
 COUNTERS = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted",
-            "rows_evicted", "rows_written_back", "rows_loaded", "rows_moved_late")
+            "rows_evicted", "rows_written_back", "rows_loaded", "rows_moved_late", "window_pairs_dropped")
+
+
+#: The automatic window sees about this many distinct (row, batch) pairs per cache row: on the
+#: one-table sweeps a window of ~5 times the cache's rows left up to 2.4 points of distinct-row
+#: hits to Belady (a 5 % cache, alpha 1.15), ~10 times 0.2 (docs/freqcache.md).
+WINDOW_PAIRS_PER_CACHED_ROW = 10
+#: Bounds of the automatic look-ahead, in batches.
+AUTO_LOOKAHEAD = (8, 256)
+#: Room per batch in the window beyond the most distinct rows a profiled batch had.
+WINDOW_MARGIN = 1.25
+
+
+def window_size(profiled_distinct: list[int], capacity: int, max_ids: int, lookahead: int | None,
+                max_pairs: int | None = None) -> tuple[int, int]:
+    """The look-ahead (in batches) and the window's room per batch (in distinct rows).
+
+    The room is ``WINDOW_MARGIN`` times the most distinct rows of a profiled batch (a batch's
+    ids where nothing was profiled). ``lookahead`` None chooses it: long enough to see about
+    ``WINDOW_PAIRS_PER_CACHED_ROW`` pairs per cache row (the average profiled batch's distinct
+    rows at a time), within ``AUTO_LOOKAHEAD`` and, where ``max_pairs`` is given, no more
+    batches than that many pairs hold.
+    """
+    rows = min(max_ids, math.ceil(WINDOW_MARGIN * max(profiled_distinct))) if profiled_distinct else max_ids
+    rows = max(1, rows)
+    if lookahead is None:
+        per_batch = sum(profiled_distinct) / len(profiled_distinct) if profiled_distinct else max_ids
+        lookahead = math.ceil(WINDOW_PAIRS_PER_CACHED_ROW * capacity / max(1.0, per_batch))
+        if max_pairs is not None:
+            lookahead = min(lookahead, max_pairs // rows - 1)
+        lookahead = max(AUTO_LOOKAHEAD[0], min(AUTO_LOOKAHEAD[1], lookahead))
+    return lookahead, rows
 
 
 def _signed(value: int) -> int:
@@ -122,45 +154,57 @@ class DevicePlanner:
         admission: ``all`` or ``tinylfu``.
         learn: count the uses of training batches (False: frequencies stay the profile's).
         decay_every: halve the counts every this many training batches (0: never).
+        window_rows: the window's room per batch, in distinct rows (default ``max_ids``: any
+            batch fits). A batch with more distinct rows than this may overflow the window: the
+            pairs that do not fit are dropped (counter ``window_pairs_dropped``), which costs
+            hits, never correctness.
     """
 
-    #: Device bytes of metadata per slot: row, sorted map (row and slot) (int64 each), last
-    #: plan, next use, frequency (int32 each), cached and dirty flags.
-    SLOT_BYTES = 3 * 8 + 3 * 4 + 2
+    #: Device bytes of metadata per slot: row, sorted map (row and slot), last plan, next use,
+    #: frequency (int32 each), cached and dirty flags.
+    SLOT_BYTES = 6 * 4 + 2
 
     def __init__(self, num_rows: int, capacity: int, max_ids: int, lookahead: int, device: torch.device,
                  admission: str = "tinylfu", learn: bool = True, decay_every: int = 0,
-                 sketch_width: int | None = None, sketch_depth: int = 4):
+                 sketch_width: int | None = None, sketch_depth: int = 4, window_rows: int | None = None):
         if num_rows >= 1 << (63 - _NUMBER_BITS):
             raise ValueError(f"freqcache: {num_rows} rows do not fit the window's keys (at most 2^{63 - _NUMBER_BITS})")
+        if num_rows + 2 >= 1 << 31:
+            raise ValueError(f"freqcache: {num_rows} rows do not fit the slot map's int32 rows")
         self.num_rows, self.capacity, self.max_ids = num_rows, capacity, max_ids
         self.lookahead, self.device = lookahead, device
         self.admission, self.learn, self.decay_every = admission, learn, decay_every
-        self.num_slots = capacity + 2 * min(max_ids, num_rows)
+        self.num_slots = self.slots_for(num_rows, capacity, max_ids)
         self.pad_row, self.empty_row, self.sink = num_rows, num_rows + 1, self.num_slots
         S, m = self.num_slots, max_ids
 
         def full(n, value, dtype=torch.int64):
             return torch.full((n,), value, dtype=dtype, device=device)
 
-        # Per slot, with the sink at S.
-        self.slot_row = full(S + 1, self.empty_row)
+        # Per slot, with the sink at S; rows as int32 (the metadata's bytes grow with the cache).
+        self.slot_row = full(S + 1, self.empty_row, torch.int32)
         self.slot_cached = full(S + 1, False, torch.bool)
         self.slot_dirty = full(S + 1, False, torch.bool)
         self.slot_plan = full(S + 1, -1, torch.int32)
         self.slot_freq = full(S + 1, 0, torch.int32)
         self.slot_next = full(S + 1, 0, torch.int32)  # the window number of the row's next use (0: none known)
-        self.map_rows, self.map_slots = self.slot_row[:S].sort()
+        self.map_rows = full(S, self.empty_row, torch.int32)
+        self.map_slots = torch.arange(S, dtype=torch.int32, device=device)
         self.num_cached = full(1, 0)
         self.counts = full(len(COUNTERS), 0)
 
-        width = sketch_width or min(num_rows, 2 * (capacity + max_ids))
+        # A row is counted at most once a batch, so with decay a count stays below about
+        # 2 * decay_every (plus the profile's): 16-bit counters hold it.
+        width = sketch_width or min(num_rows, capacity + max_ids)
         self.sketch_bits = max(4, int(width - 1).bit_length())
-        self.sketch = torch.zeros(sketch_depth, 1 << self.sketch_bits, dtype=torch.int32, device=device)
+        narrow = 0 < decay_every <= 8192
+        self.sketch = torch.zeros(sketch_depth, 1 << self.sketch_bits, dtype=torch.int16 if narrow else torch.int32,
+                                  device=device)
         self._multipliers = torch.tensor([_signed(v) for v in _MULTIPLIERS[:sketch_depth]], device=device)[:, None]
         self._depth_offsets = (torch.arange(sketch_depth, device=device) << self.sketch_bits)[:, None]
 
-        self.window_capacity = (lookahead + 1) * m
+        self.window_rows = min(window_rows or m, m)
+        self.window_capacity = (lookahead + 1) * self.window_rows
         self.window = full(self.window_capacity, _NO_KEY)
         # The step's scalars live on the device too (a captured graph replays them: a Python
         # number would be baked in), each with its host mirror for the host's own bookkeeping.
@@ -171,6 +215,12 @@ class DevicePlanner:
         self._scalars = torch.tensor([-1, -2, 0, 0, 0], device=device)
         self._pid, self._running, self._current, self._entered, self._trained = self._scalars.unbind()
         self._positions = torch.arange(m, device=device)
+
+    @staticmethod
+    def slots_for(num_rows: int, capacity: int, max_ids: int) -> int:
+        """Slots (without the sink): the cached ones and room to stage two batches' rows (the
+        running one's and the planned one's)."""
+        return capacity + 2 * min(max_ids, num_rows)
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -207,7 +257,8 @@ class DevicePlanner:
 
     def _sketch_add(self, rows: Tensor, weight: Tensor | None) -> None:
         cells = self._cells(rows)
-        ones = torch.ones_like(cells, dtype=torch.int32) if weight is None else weight.to(torch.int32).expand_as(cells)
+        dtype = self.sketch.dtype
+        ones = torch.ones_like(cells, dtype=dtype) if weight is None else weight.to(dtype).expand_as(cells)
         self.sketch.view(-1).index_add_(0, cells.reshape(-1), ones.reshape(-1))
 
     def _sketch_estimate(self, rows: Tensor) -> Tensor:
@@ -215,12 +266,15 @@ class DevicePlanner:
 
     def _lookup(self, rows: Tensor) -> Tensor:
         """The slot of each of ``rows``, or the sink where it has none."""
+        rows = rows.to(self.map_rows.dtype)
         at = torch.searchsorted(self.map_rows, rows).clamp_(max=self.num_slots - 1)
-        return torch.where(self.map_rows[at] == rows, self.map_slots[at], self.sink)
+        return torch.where(self.map_rows[at] == rows, self.map_slots[at].long(), self.sink)
 
     def _rebuild_map(self) -> None:
         # In place: a captured graph reads and writes the tensors it was captured with.
-        torch.sort(self.slot_row[: self.num_slots], out=(self.map_rows, self.map_slots))
+        rows, slots = self.slot_row[: self.num_slots].sort()
+        self.map_rows.copy_(rows)
+        self.map_slots.copy_(slots)
 
     def _distinct(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """A batch's rows padded to ``max_ids``: its distinct rows (sorted, padded with the
@@ -267,21 +321,21 @@ class DevicePlanner:
         unique = self._distinct(rows)[0]
         valid = unique < self.pad_row
         incoming = torch.where(valid, (unique << _NUMBER_BITS) | self._entered, _NO_KEY)
-        C, m = self.window_capacity, self.max_ids
-        # Keep the pairs of batches not planned yet, in order, at the front.
-        live = (self.window != _NO_KEY) & ((self.window & _NUMBER_MASK) > self._current)
-        kept = torch.full((C + 1,), _NO_KEY, dtype=torch.int64, device=self.device)
-        kept.scatter_(0, torch.where(live, torch.cumsum(live, 0) - 1, C), self.window)
-        kept = kept[:C]
-        # Merge: the incoming pairs' places, then the kept pairs fill the others in order.
-        at_incoming = torch.searchsorted(kept, incoming) + self._positions
-        taken = torch.zeros(C + m, dtype=torch.bool, device=self.device).index_fill_(0, at_incoming, True)
-        free = ~taken
-        at_kept = torch.empty(C + m + 1, dtype=torch.int64, device=self.device)
-        at_kept.scatter_(0, torch.where(free, torch.cumsum(free, 0) - 1, C + m), torch.arange(C + m, device=self.device))
-        merged = torch.empty(C + m, dtype=torch.int64, device=self.device)
-        merged.scatter_(0, at_kept[:C], kept).scatter_(0, at_incoming, incoming)
-        self.window.copy_(merged[:C])  # past C: padding only (at most C pairs are live)
+        C, m, window = self.window_capacity, self.max_ids, self.window
+        # Merge the incoming pairs (sorted) with the live ones (of batches not planned yet):
+        # a pair's place is the live pairs and incoming pairs before it (the two never tie:
+        # their batch numbers differ). Stale pairs go to a dump place past the end.
+        live = (window != _NO_KEY) & ((window & _NUMBER_MASK) > self._current)
+        live_through = torch.cumsum(live, 0, dtype=torch.int32)
+        at_kept = torch.where(live, live_through - 1 + torch.searchsorted(incoming, window), C + m)
+        at = torch.searchsorted(window, incoming)  # stale pairs are still in order: they count here, not below
+        live_before = torch.where(at > 0, live_through[(at - 1).clamp_(min=0)], 0)
+        at_incoming = torch.where(valid, live_before + self._positions, C + m)
+        merged = torch.full((C + m + 1,), _NO_KEY, dtype=torch.int64, device=self.device)
+        merged.scatter_(0, at_kept, window).scatter_(0, at_incoming, incoming)
+        window.copy_(merged[:C])
+        # Past C: pairs that did not fit (only where window_rows is below a batch's distinct rows).
+        self.counts[-1] += (live_through[-1] + valid.sum() - C).clamp_(min=0)
         # Resident rows of the batch without a nearer next use: this batch is it.
         slots = self._lookup(unique)  # the padding (the dummy row) is never resident
         known = self.slot_next[slots]
@@ -352,7 +406,7 @@ class DevicePlanner:
                 self.slot_freq.index_add_(0, torch.where(cached, slot, sink), torch.ones_like(slot, dtype=torch.int32))
                 if self.decay_every:  # a shift every step (by 0 mostly): the same work each time
                     halve = (self._trained % self.decay_every == 0).to(torch.int32)
-                    self.sketch >>= halve
+                    self.sketch >>= halve.to(self.sketch.dtype)
                     self.slot_freq >>= halve
         freq = torch.where(cached, self.slot_freq[slot].long(), self._sketch_estimate(unique).long())
         next_use = self._next_use(unique)
@@ -396,7 +450,7 @@ class DevicePlanner:
         demoted = torch.where(wins & cand_resident, victim, sink)
 
         # Evicted rows (dirty ones go back to the host) and loads.
-        old_rows = self.slot_row[dest]
+        old_rows = self.slot_row[dest].long()
         write_back = incoming & self.slot_dirty[dest] & (old_rows < self.pad_row)
         plan_out = (torch.where(write_back, dest, sink), torch.where(write_back, old_rows, self.pad_row))
         plan_in = (dest, torch.where(incoming, cand_row, self.pad_row))
@@ -404,7 +458,7 @@ class DevicePlanner:
 
         # The new map.
         self.slot_cached.index_fill_(0, demoted, False)
-        self.slot_row.index_copy_(0, dest, cand_row)
+        self.slot_row.index_copy_(0, dest, cand_row.to(self.slot_row.dtype))
         self.slot_cached.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), admitted)
         self.slot_dirty.index_fill_(0, dest, False)
         self.slot_plan.index_fill_(0, dest, self._pid)
@@ -419,7 +473,7 @@ class DevicePlanner:
 
         if train:
             hits = ids * cached
-            self.counts += torch.stack([
+            self.counts[: len(COUNTERS) - 1] += torch.stack([
                 ids.sum(), valid.sum(), hits.sum(), ids.sum() - hits.sum(), outside.sum(), admitted.sum(),
                 wins.sum(), write_back.sum(), incoming.sum(), late.sum(),
             ])
@@ -436,7 +490,7 @@ class DevicePlanner:
         """Every slot with the host row to write it to (the dummy row where it is not dirty)."""
         dirty = self.slot_dirty[: self.num_slots] & (self.slot_row[: self.num_slots] < self.pad_row)
         slots = torch.arange(self.num_slots, device=self.device)
-        return slots, torch.where(dirty, self.slot_row[: self.num_slots], self.pad_row)
+        return slots, torch.where(dirty, self.slot_row[: self.num_slots].long(), self.pad_row)
 
     def clean(self) -> None:
         self.slot_dirty.fill_(False)

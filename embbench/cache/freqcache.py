@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.cache.device_planner import COUNTERS, DevicePlan, DevicePlanner, StepKind
+from embbench.cache.device_planner import COUNTERS, DevicePlan, DevicePlanner, StepKind, window_size
 from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
@@ -37,14 +37,17 @@ from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
 
-__all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy"]
+__all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy", "cache_window"]
 
 
 class FreqCacheParams(StrategyParams):
     cache_ratio: float = Field(0.015, gt=0, le=1, description="share of all rows held on the device")
     policy: Literal["static", "lfu"] = Field("lfu", description="frequencies from the profile only, or counted as training goes")
     admission: Literal["all", "tinylfu"] = Field("tinylfu", description="admit every missing row, or only one more frequent than its victim")
-    lookahead: int = Field(64, ge=0, description="upcoming training batches in the window: the nearer a row's next use there, the later it is evicted")
+    lookahead: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="upcoming training batches in the window: the nearer a row's next use there, the later "
+                                  "it is evicted; auto: enough to see ~10 (row, batch) pairs per cache row (8-256 batches, "
+                                  "the window at most a tenth of the slot tensors' bytes)")
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
@@ -55,6 +58,8 @@ class FreqCacheParams(StrategyParams):
                             "operation); auto: on CUDA only (on a CPU, compiling takes seconds a run for ~15 % a step)")
 
 
+#: The automatic look-ahead's window takes at most this share of the slot tensors' bytes.
+_WINDOW_SHARE = 0.1
 #: Steady-state steps run uncaptured before one is captured (they compile and warm the kernels up).
 _EAGER_BEFORE_CAPTURE = 2
 #: Every timed step's plan: a training batch that entered the window right after the last one
@@ -88,6 +93,15 @@ class CapturedStep:
         return self.output
 
 
+def cache_window(profiled_distinct: list[int], num_rows: int, capacity: int, max_ids: int, row_bytes: int,
+                 lookahead: int | str) -> tuple[int, int]:
+    """freqcache's look-ahead and window room per batch (:func:`window_size`): ``auto`` keeps the
+    window within ``_WINDOW_SHARE`` of the slot tensors' bytes."""
+    slot_tensor_bytes = (DevicePlanner.slots_for(num_rows, capacity, max_ids) + 1) * row_bytes
+    return window_size(profiled_distinct, capacity, max_ids, None if lookahead == "auto" else lookahead,
+                       max_pairs=int(_WINDOW_SHARE * slot_tensor_bytes) // 8)
+
+
 @dataclass
 class _Prefetched:
     values: Tensor  # the batch's ids tensor itself (an id() could be reused)
@@ -112,7 +126,6 @@ class FreqCache(SparseModule):
     def __init__(self, ctx: BuildContext, params: FreqCacheParams):
         super().__init__()
         self.params = params
-        self.lookahead = params.lookahead if params.prefetch else 0
         self.space = RowSpace(ctx.tables)
         self.device = ctx.env.device
         self.cuda = self.device.type == "cuda"
@@ -122,8 +135,16 @@ class FreqCache(SparseModule):
         self.capacity = max(1, min(n, math.ceil(params.cache_ratio * n)))
         self.row_bytes = (dim + width) * 4
         self.max_ids = ctx.local_batch_size * sum(t.bag_size for t in ctx.tables)
+
+        # Frequency profile of training batches only (BuildContext never offers eval data): it
+        # sizes the window and preloads the most frequent rows.
+        profiled = [self.space.global_rows(batch.sparse.to(self.device)) for batch in ctx.train_batches(params.profile_batches)]
+        lookahead, window_rows = cache_window([len(rows.unique()) for rows in profiled], n, self.capacity,
+                                              self.max_ids, self.row_bytes, params.lookahead)
+        self.lookahead = lookahead if params.prefetch else 0
         self.planner = DevicePlanner(n, self.capacity, self.max_ids, self.lookahead, self.device, params.admission,
-                                     learn=params.policy == "lfu", decay_every=params.decay_every)
+                                     learn=params.policy == "lfu", decay_every=params.decay_every,
+                                     window_rows=window_rows)
 
         # Host table: each row beside its optimizer state, so one gather moves both.
         self.host = host_table(n + 1, dim + width, self.device)
@@ -133,9 +154,6 @@ class FreqCache(SparseModule):
         self.cache_state = torch.zeros(slots, width, device=self.device)
         self.store = RowStore(self.cache_weights, self.cache_state, self.optimizer)
 
-        # Frequency profile of training batches only (BuildContext never offers eval data);
-        # the most frequent rows are preloaded.
-        profiled = [self.space.global_rows(batch.sparse.to(self.device)) for batch in ctx.train_batches(params.profile_batches)]
         hot = self.planner.profile(profiled)
         warm = self.host[hot.to(self.host.device)].to(self.device)  # preloaded into slots 0..len-1
         self.cache_weights[: len(hot)] = warm[:, :dim]
@@ -375,7 +393,8 @@ class FreqCache(SparseModule):
         distinct row of each batch), beside this cache's own rates on the same window."""
         self._join_side()
         out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "policy": self.params.policy,
-                     "admission": self.params.admission, "lookahead": self.lookahead, "planner": "device",
+                     "admission": self.params.admission, "lookahead": self.lookahead,
+                     "window_rows_per_batch": self.planner.window_rows, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,
                      "cache_graph_captured": bool(self._captured), "cache_graph": self._graph_note,
                      "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note}

@@ -174,7 +174,7 @@ class SlotPlanner:
         self.num_rows, self.capacity, self.max_ids = num_rows, capacity, max_ids
         self.num_slots = capacity + 2 * min(max_ids, num_rows)
         self.admission, self.learn, self.decay_every = admission, learn, decay_every
-        self.sketch = FrequencySketch(sketch_width or min(num_rows, 2 * (capacity + max_ids)))
+        self.sketch = FrequencySketch(sketch_width or min(num_rows, capacity + max_ids))
         self.row_slot = np.full(num_rows, -1, dtype=np.int64)
         self.slot_row = np.full(self.num_slots, -1, dtype=np.int64)
         self.slot_cached = np.zeros(self.num_slots, dtype=bool)

@@ -21,14 +21,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from embbench.cache.device_planner import DevicePlanner
+from embbench.cache.device_planner import DevicePlanner, window_size
 from embbench.cache.policy import SlotPlanner
 from embbench.data import Stream, SyntheticCriteo, TableSpec
 from embbench.metrics import belady_hit_rates
@@ -49,7 +49,7 @@ class Sweep(BaseModel):
     cache_ratio: list[float] = Field(min_length=1)
     batch_ids: list[int] = Field(min_length=1)
     admission: list[Literal["all", "tinylfu"]] = ["tinylfu"]
-    lookahead: list[int] = [8]
+    lookahead: list[Annotated[int, Field(ge=0)] | Literal["auto"]] = ["auto"]
     planner: list[Literal["device", "host"]] = ["device"]
     drift_every: list[int] = Field([0], description="the hot ids change every this many batches (0: never)")
     drift_fraction: float = Field(0.2, ge=0, le=1, description="the share of hot ids remapped at each change")
@@ -68,7 +68,7 @@ class Workload(BaseModel):
     cache_ratio: float = Field(gt=0, le=1)
     batch_ids: int = Field(gt=0)
     admission: Literal["all", "tinylfu"] = "tinylfu"
-    lookahead: int = Field(8, ge=0)
+    lookahead: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     planner: Literal["device", "host"] = "device"
     drift_every: int = Field(0, ge=0)
     drift_fraction: float = Field(0.0, ge=0, le=1)
@@ -81,51 +81,57 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
     drift = {"drift_every": w.drift_every, "drift_fraction": w.drift_fraction} if w.drift_every else {}
     data = SyntheticCriteo([table], seed, **drift)
     first, total = profile_batches, profile_batches + warmup_steps + steps
-    batches = [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(total + w.lookahead)]
     capacity = max(1, min(w.rows, round(w.cache_ratio * w.rows)))
-    drive = _drive_device if w.planner == "device" else _drive_host
-    c = drive(w, batches, capacity, first, total, warmup_steps, decay_every)
+    batches = [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(first)]
+    # The window as freqcache sizes it from the same profile (no cap on its bytes here).
+    lookahead, window_rows = window_size([len(np.unique(b)) for b in batches], capacity, w.batch_ids,
+                                         None if w.lookahead == "auto" else w.lookahead)
+    batches += [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(first, total + lookahead)]
+    if w.planner == "device":
+        c = _drive_device(w, batches, capacity, lookahead, window_rows, first, total, warmup_steps, decay_every)
+    else:
+        c = _drive_host(w, batches, capacity, lookahead, first, total, warmup_steps, decay_every)
     per_access, per_distinct = belady_hit_rates([torch.from_numpy(b) for b in batches[:total]], capacity,
                                                 skip=first + warmup_steps)
     hit, unique_hit = c["hits"] / c["accesses"], 1 - c["unique_misses"] / c["unique_accesses"]
-    return {**w.model_dump(), "capacity": capacity, "hit_rate": hit, "belady_hit_rate": per_access,
+    return {**w.model_dump(), "lookahead_batches": lookahead, "window_rows": window_rows, "capacity": capacity, "hit_rate": hit, "belady_hit_rate": per_access,
             "unique_hit_rate": unique_hit, "belady_unique_hit_rate": per_distinct,
             "gap": per_access - hit, "unique_gap": per_distinct - unique_hit}
 
 
-def _drive_host(w: Workload, batches: list[np.ndarray], capacity: int, first: int, total: int, warmup_steps: int,
-                decay_every: int) -> dict:
+def _drive_host(w: Workload, batches: list[np.ndarray], capacity: int, lookahead: int, first: int, total: int,
+                warmup_steps: int, decay_every: int) -> dict:
     """The host planner's counters over the counted batches."""
     planner = SlotPlanner(w.rows, capacity, w.batch_ids, w.admission, decay_every=decay_every)
     planner.profile(batches[:first])
     unique = [np.unique(b) for b in batches]
-    for b in unique[first + 1 : first + 1 + w.lookahead]:
+    for b in unique[first + 1 : first + 1 + lookahead]:
         planner.expect(b, +1)
     running, start = None, {}
     for i in range(first, total):
         if i == first + warmup_steps:
             start = dict(planner.counters)
-        if i > first and w.lookahead:  # the batch leaves the window; the next one enters it
+        if i > first and lookahead:  # the batch leaves the window; the next one enters it
             planner.expect(unique[i], -1)
-            planner.expect(unique[i + w.lookahead], +1)
+            planner.expect(unique[i + lookahead], +1)
         running = planner.plan(batches[i], train=True, running=running).id
     return {k: planner.counters[k] - start.get(k, 0) for k in planner.counters}
 
 
-def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, first: int, total: int, warmup_steps: int,
-                  decay_every: int) -> dict:
+def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, lookahead: int, window_rows: int, first: int,
+                  total: int, warmup_steps: int, decay_every: int) -> dict:
     """The device planner's counters over the counted batches (on the CPU), driven as freqcache
     drives it: the window holds the ``lookahead`` batches after the one being planned."""
     rows = [torch.from_numpy(b) for b in batches]
-    planner = DevicePlanner(w.rows, capacity, w.batch_ids, w.lookahead, torch.device("cpu"), w.admission,
-                            decay_every=decay_every)
+    planner = DevicePlanner(w.rows, capacity, w.batch_ids, lookahead, torch.device("cpu"), w.admission,
+                            decay_every=decay_every, window_rows=window_rows)
     planner.profile(rows[:first])
     numbers: dict[int, int] = {}
     running, start = None, {}
     for i in range(first, total):
         if i == first + warmup_steps:
             start = planner.counters()
-        for j in range(i + 1, i + 1 + w.lookahead):
+        for j in range(i + 1, i + 1 + lookahead):
             if j not in numbers:
                 numbers[j] = planner.enter(rows[j])
         running = planner.plan(rows[i], train=True, running=running, number=numbers.pop(i, None)).id
@@ -144,7 +150,7 @@ def run_sweep(sweep: Sweep):
 
 def _summary(results: list[dict]) -> str:
     lines = []
-    for admission, lookahead, planner in sorted({(r["admission"], r["lookahead"], r["planner"]) for r in results}):
+    for admission, lookahead, planner in sorted({(r["admission"], r["lookahead"], r["planner"]) for r in results}, key=str):
         group = [r for r in results
                  if (r["admission"], r["lookahead"], r["planner"]) == (admission, lookahead, planner)]
         u, a = [100 * r["unique_gap"] for r in group], [100 * r["gap"] for r in group]
@@ -152,6 +158,11 @@ def _summary(results: list[dict]) -> str:
                      f"per distinct row median {statistics.median(u):.2f} worst {max(u):.2f}, "
                      f"per access median {statistics.median(a):.2f} worst {max(a):.2f}")
     return "\n".join(lines)
+
+
+def _ahead(r: dict) -> str:
+    """The look-ahead in batches, marked ``a`` where it was chosen automatically."""
+    return f"{r['lookahead_batches']}{'a' if r['lookahead'] == 'auto' else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in run_sweep(sweep):
         results.append(r)
         print(f"{r['alpha']:5.2f} {r['rows']:8d} {r['cache_ratio']:6.3f} {r['batch_ids']:6d} {r['admission']:>7} "
-              f"{r['lookahead']:5d} {r['planner']:>6} {r['drift_every']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
+              f"{_ahead(r):>5} {r['planner']:>6} {r['drift_every']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
               f"{100 * r['gap']:5.2f} | {100 * r['unique_hit_rate']:6.2f} {100 * r['belady_unique_hit_rate']:6.2f} "
               f"{100 * r['unique_gap']:5.2f}", flush=True)
     print(_summary(results))
