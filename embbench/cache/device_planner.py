@@ -31,7 +31,10 @@ contests the i-th weakest cached slot and, with ``tinylfu`` admission, is admitt
 priority is higher; candidates not admitted are staged in free (empty or staged) slots for
 this step. Slots of this batch are never taken, nor the staged slots of the running one (the
 step that may still compute); its cached slots may be, as Belady would: the moves into those
-(the plan's *late* moves) wait until it has ended.
+(the plan's *late* moves) wait until it has ended. This batch's own cached rows contest too:
+one that loses is demoted to staged in place (it stays resident for this step) and its winner
+takes a free slot, as Belady's cache would drop it after this step. (The host reference keeps
+them cached through the plan; on caches near a batch's distinct rows that cost it 1-2 points.)
 """
 
 from __future__ import annotations
@@ -418,10 +421,13 @@ class DevicePlanner:
         cand_slot, cand_row = slot[rank], unique[rank]
         cand_resident = cand_slot != sink  # staged already: used in place (and promoted if admitted)
 
-        # Slots, weakest first: empty, then staged, then cached by priority; never this batch's,
-        # nor the running batch's staged ones. Its cached ones may be taken (as Belady would):
-        # those moves are late, done once it has ended.
-        kept = (self.slot_plan == self._pid) | ((self.slot_plan == self._running) & ~self.slot_cached)
+        # Slots, weakest first: empty, then staged, then cached by priority; never the staged
+        # ones of this batch or the running one. The running batch's cached slots may be taken
+        # (as Belady would): those moves are late, done once it has ended. This batch's cached
+        # rows may lose their place in the cache too (as Belady's would after this step): they
+        # are demoted to staged in place, and their winner takes a free slot.
+        self.slot_next.index_copy_(0, torch.where(cached, slot, sink), next_use.to(torch.int32))
+        kept = ((self.slot_plan == self._pid) | (self.slot_plan == self._running)) & ~self.slot_cached
         priority = torch.where(self.slot_cached, self.slot_freq.long() + self._bonus(self.slot_next.long()),
                                torch.where(self.slot_row == self.empty_row, -2, -1))
         priority = torch.where(kept, _KEPT, priority)[:S]
@@ -440,14 +446,18 @@ class DevicePlanner:
         beats = torch.ones_like(contesting) if self.admission == "all" else score > victim_priority
         wins = contesting & beats
         admitted = (cand & (position < room)) | wins
-        # Rows not resident need a slot: a winner takes its victim's, the others the free slots in order.
-        needs_free = cand & ~cand_resident & ~wins
+        in_batch = self.slot_plan[victim] == self._pid  # a victim this batch uses stays where it is
+        # Rows not resident need a slot: a winner takes its victim's (one this batch does not
+        # use), the others the free slots in order.
+        takes_victim = wins & ~in_batch
+        needs_free = cand & ~cand_resident & ~takes_victim
         free_at = (torch.cumsum(needs_free, 0) - 1).clamp_(0, S - 1)
         incoming = cand & ~cand_resident
-        dest = torch.where(wins, victim, weakest[free_at])
+        dest = torch.where(takes_victim, victim, weakest[free_at])
         dest = torch.where(incoming, dest, sink)
-        # A winner already staged is promoted in place: its victim stays as a staged row.
-        demoted = torch.where(wins & cand_resident, victim, sink)
+        # A winner already staged is promoted in place, and a victim this batch uses is demoted
+        # in place: each stays as a staged row.
+        demoted = torch.where(wins & (cand_resident | in_batch), victim, sink)
 
         # Evicted rows (dirty ones go back to the host) and loads.
         old_rows = self.slot_row[dest].long()
