@@ -43,6 +43,7 @@ COUNTERS = {
     "rows_evicted": "rows removed from the cache",
     "rows_written_back": "evicted or flushed rows that were updated, copied back to the host",
     "rows_moved_late": "cached rows evicted from a slot the running step still used: moved once it had ended",
+    "window_pairs_dropped": "look-ahead (row, batch) pairs that did not fit the window (costs hits, never correctness)",
     "bytes_h2d": "bytes moved host -> device (rows, state, pooled embeddings)",
     "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
     "bytes_comm": "bytes this rank sent to other ranks (ids, pooled rows, their gradients)",

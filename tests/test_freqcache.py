@@ -481,3 +481,19 @@ def test_compile_auto_is_on_only_on_cuda():
     tables, batches = [TableSpec("t0", 50, 4, 1, 1.0)], [SparseFeatures(torch.arange(4), torch.ones(4, dtype=torch.long), 1)]
     cache = FreqCache(_context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches), FreqCacheParams())
     assert cache.extra_metrics()["cache_compile"] == "off: not on CUDA (compile: auto)"
+
+
+def test_a_step_that_fails_to_compile_runs_eagerly_and_the_record_says_why(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("no C++ compiler here")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    got, expected, tables, reference, _, extra = _steady_counted(True, 16, steps=8, counted=range(5, 6))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(tables, reference):
+        torch.testing.assert_close(a, b)
+    assert extra["cache_compiled"] == []
+    assert extra["cache_compile"].startswith("compiling ") and "no C++ compiler here" in extra["cache_compile"]

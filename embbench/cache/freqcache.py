@@ -262,7 +262,8 @@ class FreqCache(SparseModule):
         try:  # its first call compiles it
             out = step(*inputs)
         except Exception as e:  # nothing ran yet (a compilation fails before it runs): run eagerly, say why
-            self._compiling = False
+            self._compiling = False  # every step runs eagerly from here on
+            self._compile_worked.clear()
             self._compile_note = f"compiling {name} failed, eager: {type(e).__name__}: {str(e)[:300]}"
             return self._steps[name](*inputs), False
         self._compile_worked.add(name)
