@@ -149,19 +149,17 @@ def test_writes_back_only_dirty_rows_and_loads_each_missing_row_once():
 
 
 @pytest.mark.parametrize("ratio,batch_ids,lookahead", [(0.015, 512, 8), (0.05, 256, 8), (0.05, 512, 32)])
-def test_hit_rates_are_the_host_planner_s_or_better_and_never_above_belady(ratio, batch_ids, lookahead):
+def test_hit_rates_are_the_host_planner_s_within_a_few_tenths_of_a_point(ratio, batch_ids, lookahead):
     """Against the reference model (the NumPy SlotPlanner): a cache smaller and larger than a
-    batch's distinct rows, fully associative, the same policy and sketch, except that the
-    device planner may also demote the planned batch's own cached rows (the reference keeps
-    them cached through the plan): never more than a few tenths of a point below the
-    reference, and per distinct row never above Belady's MIN (the optimum there)."""
+    batch's distinct rows (fully associative, the same policy and sketch: they differ only in
+    how ties are broken), and per distinct row never above Belady's MIN (the optimum there)."""
     results = {}
     for planner in ("host", "device"):
         w = Workload(alpha=1.05, rows=20_000, cache_ratio=ratio, batch_ids=batch_ids, lookahead=lookahead, planner=planner)
         results[planner] = simulate(w, profile_batches=8, warmup_steps=8, steps=64 + lookahead)
     host, device = results["host"], results["device"]
-    assert device["hit_rate"] >= host["hit_rate"] - 0.003
-    assert device["unique_hit_rate"] >= host["unique_hit_rate"] - 0.005
+    assert abs(host["hit_rate"] - device["hit_rate"]) < 0.003
+    assert abs(host["unique_hit_rate"] - device["unique_hit_rate"]) < 0.005
     assert device["unique_hit_rate"] <= device["belady_unique_hit_rate"] + 1e-9
 
 

@@ -33,8 +33,8 @@ this step. Slots of this batch are never taken, nor the staged slots of the runn
 step that may still compute); its cached slots may be, as Belady would: the moves into those
 (the plan's *late* moves) wait until it has ended. This batch's own cached rows contest too:
 one that loses is demoted to staged in place (it stays resident for this step) and its winner
-takes a free slot, as Belady's cache would drop it after this step. (The host reference keeps
-them cached through the plan; on caches near a batch's distinct rows that cost it 1-2 points.)
+takes a free slot, as Belady's cache would drop it after this step. (Keeping them cached
+through the plan cost 1-2 points on caches near a batch's distinct rows.)
 """
 
 from __future__ import annotations

@@ -360,7 +360,10 @@ class SlotPlanner:
         victims = priority = np.empty(0, dtype=np.int64)
         wanted = len(candidates) - room
         if wanted > 0:  # only a slot below the best contested candidate's score can be taken
-            victims, priority = self._victims(wanted, None if self.admission == "all" else int(score[room]), res_slots)
+            # This batch's cached slots are victims too: one that loses is demoted in place.
+            # This batch's cached slots are victims too: one that loses is demoted in place.
+            victims, priority = self._victims(wanted, None if self.admission == "all" else int(score[room]),
+                                              kept=np.empty(0, dtype=np.int64))
         admit = np.zeros(len(candidates), dtype=bool)
         admit[:room] = True
         contested = min(len(candidates) - room, len(victims))
@@ -369,13 +372,17 @@ class SlotPlanner:
         else:  # scores fall and victim priorities rise: the admitted ones are a prefix
             admit[room : room + contested] = score[room : room + contested] > priority[:contested]
         victims = victims[: int(admit[room:].sum())]
+        # A victim this batch uses stays resident for its step, staged (Belady drops it after).
+        in_batch = self.slot_plan[victims] == pid
+        demoted, victims = victims[in_batch], victims[~in_batch]
         late = victims[self.slot_plan[victims] == running] if running is not None else victims[:0]
         admitted = candidates[admit]
 
         write_back = [self._evict(victims)]
-        self.num_cached += len(admitted) - len(victims)
+        self.slot_cached[demoted] = False
+        self.num_cached += len(admitted) - len(victims) - len(demoted)
         self.counters["rows_admitted"] += len(admitted)
-        self.counters["rows_evicted"] += len(victims)
+        self.counters["rows_evicted"] += len(victims) + len(demoted)
         # Admitted rows that are staged now become cached where they are; the others take a
         # victim's slot or a free one. Rejected rows not resident take a free slot, staged.
         promote = slot[admitted][resident[admitted]]
@@ -413,8 +420,7 @@ class SlotPlanner:
 
     def _victims(self, wanted: int, limit: int | None, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ``wanted`` cached slots of lowest priority (below ``limit`` if given), lowest
-        first (ties in slot order), and their priorities; never one of ``kept`` (this batch's
-        resident slots).
+        first (ties in slot order), and their priorities; never one of ``kept``.
 
         Masks over the whole slot arrays (no gather of every cached slot), then ranks first
         the slots whose row the window does not use: any of them ranks below every other."""
