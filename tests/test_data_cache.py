@@ -260,3 +260,17 @@ def test_a_changed_source_replaces_its_entries_instead_of_adding_more(tmp_path):
     assert f"{source} changed since it was parsed" in said and "meta.json: built from other versions of its input files" in said
     assert ds.rows(Stream.TRAIN) + ds.rows(Stream.EVAL) == 700
     assert len(list(cache.glob("files/*"))) == 1 and len(list(cache.glob("datasets/*"))) == 1
+
+
+@pytest.mark.parametrize("written", ['"=', '"|'])
+def test_a_manifest_dtype_changed_to_an_equal_or_unknown_spelling_is_a_changed_manifest(pristine, tmp_path, written):
+    """A bit flip can turn "<i8" into "=i8" (the same dtype on this machine) or into a string
+    numpy cannot read: the manifest's text was changed, so the entry is rebuilt, named."""
+    source, clean = pristine
+    cache = tmp_path / "cache"
+    shutil.copytree(clean, cache)
+    manifest = next(p for p in _entry_files(cache) if p.name == "manifest.json" and '"dtype": "<' in p.read_text())
+    manifest.write_text(manifest.read_text().replace('"dtype": "<', '"dtype": ' + written, 1))
+    ds, said = _prepare(source, cache)
+    assert f"note: data cache entry {manifest.parent}: " in said and "rebuilding it" in said, said
+    assert _prepare(source, cache)[1] == ""

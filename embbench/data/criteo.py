@@ -297,10 +297,12 @@ def _check_entry(directory: Path, layout: Callable[[dict], dict[str, tuple[np.dt
         if name not in files:
             raise _Damaged(f"{name} is not in {MANIFEST}")
         have_dtype, have_shape, offset = _npy_layout(directory / name)
-        listed = (np.dtype(files[name].get("dtype", "V")), tuple(files[name].get("shape", ())))
-        for what, want in ((MANIFEST, listed), ("meta.json", (np.dtype(dtype), tuple(shape)))):
-            if (have_dtype, have_shape) != want:
-                raise _Damaged(f"{name} holds {have_dtype} {have_shape}, {what} says {want[0]} {want[1]}")
+        # The manifest's text as written ("=i8" is the same dtype as "<i8", but not the text written).
+        listed = (files[name].get("dtype"), tuple(files[name].get("shape", ())))
+        if (have_dtype.str, have_shape) != listed:
+            raise _Damaged(f"{name} holds {have_dtype.str} {have_shape}, {MANIFEST} says {listed[0]} {listed[1]}")
+        if (have_dtype, have_shape) != (np.dtype(dtype), tuple(shape)):
+            raise _Damaged(f"{name} holds {have_dtype} {have_shape}, meta.json says {np.dtype(dtype)} {tuple(shape)}")
         if offset + have_dtype.itemsize * math.prod(have_shape) != files[name]["bytes"]:
             raise _Damaged(f"{name}: its header's {have_dtype} {have_shape} does not fill its {files[name]['bytes']:,} bytes")
     full = verify or sum(f["bytes"] for f in files.values()) < FULL_CHECK_BYTES
