@@ -259,3 +259,18 @@ def test_pairs_that_do_not_fit_the_window_are_dropped_and_counted_never_misplace
 
     _drive(planner, batches, range(len(batches)), {}, each=check)
     assert planner.counters()["window_pairs_dropped"] > 0
+
+
+def test_a_wrapped_sketch_counter_costs_policy_never_a_misplaced_row():
+    """16-bit sketch counters that wrapped negative (read as 0): every id still gets a slot
+    that holds its row."""
+    planner = DevicePlanner(num_rows=50, capacity=4, max_ids=6, lookahead=2, device=CPU, decay_every=4)
+    assert planner.sketch.dtype == torch.int16
+    planner.preload(torch.arange(4))
+    planner.sketch.fill_(-30000)
+    batches = [torch.tensor([5, 6, 7, 1, 8, 9]), torch.tensor([10, 5, 11, 2, 12, 6]), torch.tensor([13, 14, 5, 7, 0, 1])]
+
+    def check(i, plan):
+        assert torch.equal(planner.slot_row[plan.slots].long(), batches[i]), "an id's slot does not hold its row"
+
+    _drive(planner, batches, range(len(batches)), {}, each=check)

@@ -196,11 +196,13 @@ class DevicePlanner:
         self.num_cached = full(1, 0)
         self.counts = full(len(COUNTERS), 0)
 
-        # A row is counted at most once a batch, so with decay a count stays below about
-        # 2 * decay_every (plus the profile's): 16-bit counters hold it.
+        # A row is counted at most once a batch, so with decay a counter stays below about
+        # 2 * decay_every times the rows sharing it (about one: the width is at least a batch's
+        # ids), plus the profile's: 16-bit counters hold it. Were one to wrap, its estimate is
+        # read as 0 (see device_step): a policy error, never a misplaced row.
         width = sketch_width or min(num_rows, capacity + max_ids)
         self.sketch_bits = max(4, int(width - 1).bit_length())
-        narrow = 0 < decay_every <= 8192
+        narrow = 0 < decay_every <= 2048
         self.sketch = torch.zeros(sketch_depth, 1 << self.sketch_bits, dtype=torch.int16 if narrow else torch.int32,
                                   device=device)
         self._multipliers = torch.tensor([_signed(v) for v in _MULTIPLIERS[:sketch_depth]], device=device)[:, None]
@@ -411,7 +413,8 @@ class DevicePlanner:
                     halve = (self._trained % self.decay_every == 0).to(torch.int32)
                     self.sketch >>= halve.to(self.sketch.dtype)
                     self.slot_freq >>= halve
-        freq = torch.where(cached, self.slot_freq[slot].long(), self._sketch_estimate(unique).long())
+        # (clamped: a candidate's score must stay >= 0, above the -1 of rows that are not candidates)
+        freq = torch.where(cached, self.slot_freq[slot].long(), self._sketch_estimate(unique).long().clamp_(min=0))
         next_use = self._next_use(unique)
 
         # Candidates (rows not cached), best first.
