@@ -21,7 +21,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import numpy as np
 import torch
@@ -75,18 +75,25 @@ class Workload(BaseModel):
 
 
 def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
-             steps: int = 64, seed: int = 0) -> dict:
-    """The policy's and Belady's hit rates on one workload (see the module docstring)."""
-    table = TableSpec("t0", w.rows, 1, 1, w.alpha)
-    drift = {"drift_every": w.drift_every, "drift_fraction": w.drift_fraction} if w.drift_every else {}
-    data = SyntheticCriteo([table], seed, **drift)
+             steps: int = 64, seed: int = 0, batch_rows: Callable[[int], np.ndarray] | None = None) -> dict:
+    """The policy's and Belady's hit rates on one workload (see the module docstring).
+    ``batch_rows(i)``: the rows (global, one per id, ``w.batch_ids`` of them) of training batch
+    ``i`` of another stream (several tables); by default the workload's one synthetic table."""
+    if batch_rows is None:
+        table = TableSpec("t0", w.rows, 1, 1, w.alpha)
+        drift = {"drift_every": w.drift_every, "drift_fraction": w.drift_fraction} if w.drift_every else {}
+        data = SyntheticCriteo([table], seed, **drift)
+
+        def batch_rows(i: int) -> np.ndarray:
+            return data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy()
+
     first, total = profile_batches, profile_batches + warmup_steps + steps
     capacity = max(1, min(w.rows, round(w.cache_ratio * w.rows)))
-    batches = [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(first)]
+    batches = [batch_rows(i) for i in range(first)]
     # The window as freqcache sizes it from the same profile (no cap on its bytes here).
     lookahead, window_rows = window_size([len(np.unique(b)) for b in batches], capacity, w.batch_ids,
                                          None if w.lookahead == "auto" else w.lookahead)
-    batches += [data.batch(Stream.TRAIN, i, w.batch_ids).sparse.values.numpy() for i in range(first, total + lookahead)]
+    batches += [batch_rows(i) for i in range(first, total + lookahead)]
     if w.planner == "device":
         c = _drive_device(w, batches, capacity, lookahead, window_rows, first, total, warmup_steps, decay_every)
     else:
@@ -96,6 +103,7 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
     hit, unique_hit = c["hits"] / c["accesses"], 1 - c["unique_misses"] / c["unique_accesses"]
     return {**w.model_dump(), "lookahead_batches": lookahead, "window_rows": window_rows, "capacity": capacity, "hit_rate": hit, "belady_hit_rate": per_access,
             "unique_hit_rate": unique_hit, "belady_unique_hit_rate": per_distinct,
+            "window_pairs_dropped": c.get("window_pairs_dropped"),
             "gap": per_access - hit, "unique_gap": per_distinct - unique_hit}
 
 
