@@ -361,7 +361,6 @@ class SlotPlanner:
         wanted = len(candidates) - room
         if wanted > 0:  # only a slot below the best contested candidate's score can be taken
             # This batch's cached slots are victims too: one that loses is demoted in place.
-            # This batch's cached slots are victims too: one that loses is demoted in place.
             victims, priority = self._victims(wanted, None if self.admission == "all" else int(score[room]),
                                               kept=np.empty(0, dtype=np.int64))
         admit = np.zeros(len(candidates), dtype=bool)
