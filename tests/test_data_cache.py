@@ -274,3 +274,13 @@ def test_a_manifest_dtype_changed_to_an_equal_or_unknown_spelling_is_a_changed_m
     ds, said = _prepare(source, cache)
     assert f"note: data cache entry {manifest.parent}: " in said and "rebuilding it" in said, said
     assert _prepare(source, cache)[1] == ""
+
+
+def test_a_file_name_changed_in_the_manifest_names_the_manifest(pristine, tmp_path):
+    source, clean = pristine
+    cache = tmp_path / "cache"
+    shutil.copytree(clean, cache)
+    manifest = next(p for p in _entry_files(cache) if p.name == "manifest.json" and '"meta.json"' in p.read_text())
+    manifest.write_text(manifest.read_text().replace('"meta.json"', '"meta.jsoo"', 1))
+    ds, said = _prepare(source, cache)
+    assert f"note: data cache entry {manifest.parent}: " in said and "manifest.json" in said and "rebuilding it" in said, said

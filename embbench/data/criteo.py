@@ -286,8 +286,10 @@ def _check_entry(directory: Path, layout: Callable[[dict], dict[str, tuple[np.dt
     files = _read_manifest(directory)
     for name, info in files.items():
         path = directory / name
-        if not path.is_file():
-            raise _Damaged(f"{name} is missing")
+        if not path.is_file():  # or the manifest's name of it was changed: then say so, naming the manifest
+            unlisted = sorted(p.name for p in directory.iterdir() if p.name not in files and p.name != MANIFEST)
+            also = f" ({MANIFEST} lists it; {', '.join(unlisted)} is not listed there)" if unlisted else ""
+            raise _Damaged(f"{name} is missing{also}")
         if path.stat().st_size != info["bytes"]:
             raise _Damaged(f"{name} is {path.stat().st_size:,} bytes, {MANIFEST} says {info['bytes']:,}")
     if "meta.json" not in files or _digest(directory / "meta.json") != files["meta.json"]["xxh3_128"]:
