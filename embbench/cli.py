@@ -25,7 +25,7 @@ from rich.text import Text
 
 from embbench.commands import run_command
 from embbench.device import resolve_device
-from embbench.launch import RecordsNotWritten, max_ranks, memory_preflight, other_scenario, run_cells
+from embbench.launch import RecordsNotWritten, other_scenario, outcome_without_launch, run_cells
 from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
@@ -51,33 +51,90 @@ console = _Console(width=None if (sys.stdout is not None and sys.stdout.isatty()
                    emoji=False)
 
 
-def _dry_run(scenario, cells) -> None:
+#: ``run``'s exit code when no cell of the scenario could start here (each unsupported or skipped).
+EXIT_NOTHING_RAN = 4
+
+
+def _targets_a_gpu(scenario) -> bool:
+    """Whether a scenario is written for GPUs: its run.device names CUDA, or its name says GPU."""
+    return scenario.run.device == "cuda" or "gpu" in scenario.name.lower()
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:,.3f}"
+
+
+def _dry_run(scenario, cells) -> list[str]:
+    """The matrix as ``run`` would meet it on this machine (each cell runs, or what ``run`` would
+    record without starting it: unsupported, skipped, error, with the reason), the per-rank
+    memory estimates here and, for a scenario written for GPUs on a machine without one, on
+    its target device too. Returns the ids of the cells that would be skipped."""
     try:
-        device = resolve_device(scenario.run.device)
+        here = resolve_device(scenario.run.device)
     except Unsupported:
-        device = torch.device("cuda")
+        here = None
+    on_gpu_too = _targets_a_gpu(scenario) and (here is None or here.type != "cuda")
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
+    caption = (f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, {table_bytes / 2**30:,.2f} GiB of weights; "
+               f"per-rank estimates on this machine ({here or 'no usable device'})")
+    if on_gpu_too:
+        caption += " and, as the scenario is written for GPUs, on a GPU (device memory there, host memory beside it)"
     grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
-                 header_style="bold", caption=f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, "
-                         f"{table_bytes / 2**30:,.2f} GiB of weights; per-rank estimates on {device}")
-    for col in ["cell", "device GiB / rank", "host GiB / rank", "fits"]:
-        grid.add_column(col, justify="left" if col == "cell" else "right")
-    limit, what = max_ranks(device)
+                 header_style="bold", caption=caption)
+    for col in ["cell", "device GiB / rank", "host GiB / rank"] + (["on a GPU: device / host GiB"] if on_gpu_too else []) \
+            + ["run here"]:
+        grid.add_column(col, justify="left" if col in ("cell", "run here") else "right")
+    skipped = []
     for cell in cells:
         try:
-            estimate, too_big = memory_preflight(scenario, cell, device)
-        except RuntimeError as e:  # a broken plugin: this row says so, the others are shown
-            grid.add_row(Text(cell.id), "?", "?", Text.assemble(("broken", "red"), f": {e}"))
-            continue
-        if cell.world_size > limit:
-            too_big = f"needs {cell.world_size} ranks; at most {limit} {what}"
-        if too_big:
-            too_big = too_big.removeprefix("not attempted: ").removesuffix(" (--force runs it anyway)")
-        fits = "?" if estimate is None and not too_big else Text.assemble(("no", "red"), f": {too_big}") if too_big else "yes"
-        gib = (lambda key: f"{estimate[key] / 2**30:,.3f}") if estimate else (lambda key: "?")
-        grid.add_row(Text(cell.id), gib("device"), gib("host"), fits)
+            estimate = cell.make_strategy().estimate_memory(tables, scenario.optimizer.embedding, cell.world_size)
+        except Exception:
+            estimate = None  # a broken plugin: outcome_without_launch names it
+        outcome = outcome_without_launch(scenario, cell)
+        if estimate is None:
+            device = host = None
+        elif here is not None and here.type == "cpu":  # the "device" is the host
+            device, host = 0, estimate.device_bytes + estimate.host_bytes + estimate.pinned_bytes
+        else:
+            device, host = estimate.device_bytes, estimate.host_bytes + estimate.pinned_bytes
+        gpu = [f"{_gib(estimate.device_bytes)} / {_gib(estimate.host_bytes + estimate.pinned_bytes)}"
+               if estimate else "? / ?"] if on_gpu_too else []
+        if outcome is None:
+            verdict = Text("yes" if estimate else "yes (no estimate)", style="green")
+        else:
+            status = "error (a broken plugin)" if outcome.status == "error" else outcome.status  # its only cause here
+            verdict = Text.assemble((status, "red" if outcome.status == "error" else "yellow"), f": {outcome.message}")
+            if outcome.status == "skipped":
+                skipped.append(cell.id)
+        grid.add_row(Text(cell.id), _gib(device), _gib(host), *gpu, verdict)
     console.print(grid)
+    return skipped
+
+
+def _scale_that_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> str | None:
+    """The ``run`` command at the largest scale (5, 2 or 1 times a power of ten, below the
+    scenario's) at which every cell in ``skipped`` passes the memory preflight on this machine
+    now, or None when none does down to 1e-9."""
+    current = scenario.data.scale
+    for exponent in range(0, 10):
+        for mantissa in (5, 2, 1):
+            scale = float(f"{mantissa}e-{exponent}")
+            if scale >= current:
+                continue
+            smaller, cells = load_scenario(args.scenario, steps=args.steps, scale=scale, strategies=args.strategies)
+            if all(outcome_without_launch(smaller, c) is None for c in cells if c.id in skipped):
+                return run_command(args.scenario, None, args.steps, scale, args.strategies, args.data_cache)
+    return None
+
+
+def _say_what_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> None:
+    if not skipped:
+        return
+    command = _scale_that_fits(args, scenario, skipped)
+    console.print(Text(f"{len(skipped)} cell(s) would not fit this machine's memory now: " +
+                       (f"at a scale that fits them all, run\n  {command}" if command else
+                        "no scale down to 1e-9 fits them"), style="yellow"), soft_wrap=True)
 
 
 def _run_directory(path: Path) -> Path:
@@ -108,7 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(mixed)
     if args.dry_run:
         _prepare_data(args.scenario, scenario, _data_cache(args), verify=args.verify_data)
-        _dry_run(scenario, cells)
+        _say_what_fits(args, scenario, _dry_run(scenario, cells))
         return 0
     _run_directory(out)  # before any data is converted into it
     # One run writes a run directory at a time (rank 0 of a torchrun job writes the records).
@@ -159,6 +216,10 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
             console.print(table)
     console.print(Text(shown.summary()))
     console.print(Text(f"records: {out}"))
+    _say_what_fits(args, scenario, [r.cell_id for r in records if r.status == "skipped"])
+    if all(r.status in ("unsupported", "skipped") for r in records):
+        print(f"error: no cell of {args.scenario} can start on this machine (exit {EXIT_NOTHING_RAN})", file=sys.stderr)
+        return EXIT_NOTHING_RAN
     return 0
 
 
@@ -466,27 +527,48 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    from embbench.projection import DEFAULT_LINKS_GBPS, project
+    from embbench.projection import ASSUMPTIONS, DEFAULT_LINKS_GBPS, project, why_not_projectable
     from embbench.scenario import parse_scenario
 
     links = args.links or dict(DEFAULT_LINKS_GBPS)
     records = [r for r in load_records(Path(args.results), on_damaged=_skip_damaged) if r.status == "ok"]
     if not records:
         raise ValueError(f"{args.results}: no finished (ok) cells to project from")
-    table = Table(title="PROJECTION — a model (embbench/projection.py), not a measurement", header_style="bold",
+    refused = {r.cell_id: why for r in records if (why := why_not_projectable(r))}
+    trusted = [r for r in records if r.cell_id not in refused]
+    for cell_id, why in refused.items():
+        console.print(Text(f"not projected from {cell_id}: {why}", style="yellow"))
+    if not trusted:
+        raise ValueError(f"{args.results}: no cell to project from (each one's ranks shared CPU cores); measure on "
+                         "one rank per core, or on GPUs")
+    console.print(Text(f"assumed: {ASSUMPTIONS}", style="dim"))
+    table = Table(title="PROJECTION — a model (embbench/projection.py), not a measurement: samples/s", header_style="bold",
                   caption="t(W, bw) = (T0 - S0) * W0 / W + C(W) / bw + 4 * latency; T0: measured mean step and "
-                          "S0: time in collectives, on the rank with the most; C: bytes the busiest rank sends per step")
-    for col in ["measured cell", "W0", "T0 ms", "world", "link", "GB/s", "step ms", "samples/s"]:
-        table.add_column(col, justify="left" if col in ("measured cell", "link") else "right")
-    for record in records:
+                          "S0: time in collectives, on the rank with the most; C: bytes the busiest rank sends per step; "
+                          "measured: the cell's own world size (its measured samples/s in brackets)")
+    table.add_column("cell", justify="left")
+    table.add_column("world", justify="right")
+    for link, gbps in links.items():
+        table.add_column(f"{link}\n{gbps:g} GB/s", justify="right")
+    one_rank = []
+    for record in trusted:
         if "config" not in record.scenario:
             raise RecordError(f"{args.results}: the record of {record.cell_id} holds no scenario config to project from")
         scenario, _ = parse_scenario(record.scenario["config"], record.scenario.get("file", "<record>"))
-        for row in project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6):
-            table.add_row(Text(record.cell_id), str(record.world_size), f"{row['measured_step_s'] * 1e3:,.2f}",
-                          str(row["world_size"]),
-                          Text(row["link"]), f"{row['gbps']:g}", f"{row['step_s'] * 1e3:,.2f}", f"{row['samples_per_s']:,.0f}")
+        rows = project(record, scenario.tables(), args.worlds, links, args.latency_us * 1e-6)
+        if record.world_size == 1 and any(w > 1 for w in args.worlds):
+            one_rank.append(record.cell_id)
+        for world in args.worlds:
+            rates = [f"{row['samples_per_s']:,.0f}" for row in rows if row["world_size"] == world]
+            measured = world == record.world_size
+            label = Text(f"{world} (measured: {record.metrics['samples_per_step'] / rows[0]['measured_step_s']:,.0f})"
+                         if measured else str(world), style="bold" if measured else "")
+            table.add_row(Text(record.cell_id), label, *rates)
+        table.add_section()
     console.print(table)
+    if one_rank:
+        console.print(Text(f"{', '.join(one_rank)}: measured on one rank, so no collective was measured: the "
+                           "scaling shown is the model's assumption alone; project from a multi-rank cell", style="yellow"))
     return 0
 
 

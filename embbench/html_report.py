@@ -204,17 +204,21 @@ table.sortable tbody tr:nth-child(even) { background: #fafafa; }
 .right { text-align: right; } .left { text-align: left; } td.right, td.left { white-space: nowrap; }
 img { max-width: 100%; margin: 8px 0; border: 1px solid #eee; }
 .meta { color: #555; font-size: 13px; }
+.warning { background: #fff4d6; border: 1px solid #e0b040; padding: 6px 10px; font-size: 14px; }
 """
 
 
 def render_report(runs: list[Run]) -> str:
     """The report of one or more runs as one HTML document (the first run is the baseline
     of the comparison)."""
-    from embbench.report import comparison_grid, delta_grid
+    from embbench.report import comparison_grid, delta_grid, host_device_caption
 
     _pyplot()  # without matplotlib, fail before any work
     parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\">{GENERATOR}<title>embbench report</title>",
              f"<style>{_STYLE}</style></head><body><h1>embbench report</h1>"]
+    host = host_device_caption([r for run in runs for r in run.records])
+    if host:  # before anything else: such speeds decide nothing about placement
+        parts.append(f"<p class=\"warning\"><b>Read first:</b> {html.escape(host)}.</p>")
     for run in runs:
         first = run.records[0]
         p = first.provenance
@@ -226,7 +230,9 @@ def render_report(runs: list[Run]) -> str:
     parts += [_scrolling(html_table(comparison_grid(run.records, title=run.label))) for run in runs]
     if len(runs) > 1:
         parts.append(f"<h2>Comparison against {html.escape(runs[0].label)}</h2>")
-        parts.append(f"<p class=\"meta\">significance: {html.escape(TEST)}, alpha {ALPHA}</p>")
+        parts.append(f"<p class=\"meta\">significance: {html.escape(TEST)}, alpha {ALPHA}; the interval is that of the "
+                     "throughput ratio; busy!/wide!: a run measured on a busy machine, or with an interval wider "
+                     "than ±10%</p>")
         parts += [_scrolling(html_table(delta_grid(cells, TEST, title=f"{run.label} against {runs[0].label}")))
                   for run, cells in compare_runs(runs)]
     sections = [

@@ -30,7 +30,12 @@ from embbench.data.presets import TableSpec
 from embbench.results import Record
 from embbench.sharding import plan_table_wise
 
-__all__ = ["DEFAULT_LINKS_GBPS", "comm_bytes_per_rank", "measured_step_and_comm", "project"]
+__all__ = ["ASSUMPTIONS", "DEFAULT_LINKS_GBPS", "comm_bytes_per_rank", "measured_step_and_comm", "project",
+           "why_not_projectable"]
+
+#: What every projection assumes, in one line (printed above its table).
+ASSUMPTIONS = ("compute scales as 1/W (balanced tables, data-parallel dense part, no contention), communication is "
+               "table-wise all-to-all that does not overlap compute, one link bandwidth per rank")
 
 #: Per-rank, per-direction bandwidths (GB/s): H100 NVLink 4, PCIe 5 x16 in practice, 100 Gb/s
 #: and 400 Gb/s networks.
@@ -64,6 +69,22 @@ def measured_step_and_comm(metrics: dict[str, Any]) -> tuple[float, float]:
     if "measured_seconds" in busiest:
         return busiest["measured_seconds"] / steps, s0
     return metrics["step_time_s"]["mean"], s0  # one rank, or a record older than measured_seconds
+
+
+def why_not_projectable(record: Record) -> str | None:
+    """Why a measured cell is no ground for a projection, or None: its ranks shared CPU cores
+    (the step time then measures the time-sharing, and dividing it by W is meaningless)."""
+    m = record.metrics or {}
+    if not str(m.get("device", "")).startswith("cpu") or record.world_size == 1:
+        return None
+    threads, cores = m.get("threads"), m.get("usable_cores")
+    if threads is None or cores is None:  # a record from before threads were recorded
+        cores = ((record.provenance.get("devices") or {}).get("cpu_count")) or 0
+        threads = 1
+    if record.world_size * threads > cores:
+        return (f"its {record.world_size} ranks x {threads} thread(s) shared {cores} CPU core(s): the step time "
+                f"measures the time-sharing")
+    return None
 
 
 def project(record: Record, tables: list[TableSpec], worlds: list[int], links_gbps: dict[str, float],

@@ -17,7 +17,7 @@ from embbench.table_view import Column, Grid, Row, View, print_grid
 __all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
            "print_recommendations", "profile_tables"]
 
-_STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
+_STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "skipped": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
 
 #: Counters of the seed systems' bookkeeping, shown per step when a strategy reports them.

@@ -33,7 +33,8 @@ __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_s
            "schema_error", "write_record"]
 
 SCHEMA_VERSION = 1
-Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
+#: ``skipped``: never started, the memory preflight said it would not fit (``oom``: it ran, and ran out)
+Status = Literal["ok", "unsupported", "skipped", "error", "oom", "timeout", "diverged"]
 
 # The measured figures: strict (a string or a bool is not a number) and finite.
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]

@@ -52,7 +52,7 @@ def test_a_misspelled_key_fails_naming_it(tmp_path):
 def test_dry_run_estimates_memory_and_runs_nothing(tmp_path):
     proc = embbench("run", "scenarios/smoke.yaml", "--dry-run", "--out", str(tmp_path / "none"))
     assert proc.returncode == 0
-    assert "device@w1" in proc.stdout and "fits" in proc.stdout
+    assert "device@w1" in proc.stdout and "run here" in proc.stdout and "yes" in proc.stdout
     assert not (tmp_path / "none").exists()
 
 

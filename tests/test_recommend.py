@@ -155,3 +155,25 @@ def test_recommend_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, mess
     assert main(["recommend", str(run), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_a_winner_within_the_noise_of_a_runner_up_is_named_with_that_caveat(tmp_path, capsys):
+    """Repeats 10/14/9 ms against 11/10.5/12 ms: the first is 'fastest' by its median, but the
+    intervals overlap: the answer says so, and it never says so of a clear winner."""
+    noisy = make_record("device", step_times=[0.010] * 4 + [0.014] * 4 + [0.009] * 4, device_bytes=MiB)
+    close = make_record("cpu", step_times=[0.011] * 4 + [0.0105] * 4 + [0.012] * 4, device_bytes=MiB)
+    (rec,) = recommend([noisy, close], Budget(1 << 30))
+    assert rec.best.cell_id == "device@w1" and rec.runners_up[0].interval[0] < 1 < rec.runners_up[0].interval[1]
+    assert any(c.startswith("device@w1 is not faster beyond noise than cpu@w1") for c in rec.caveats)
+    slow = make_record("cpu", step_times=[0.030] * 4 + [0.031] * 4 + [0.029] * 4, device_bytes=MiB)
+    (rec,) = recommend([noisy, slow], Budget(1 << 30))
+    assert not any("beyond noise" in c for c in rec.caveats)
+
+
+def test_a_cpu_run_says_first_that_it_is_no_placement_decision(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [make_record("device", device="cpu", step_times=[0.01] * 12),
+                                       make_record("cpu", device="cpu", step_times=[0.03] * 12)])
+    assert main(["recommend", str(run), "--device-memory", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    first, answer = out.index("read first: measured with the host CPU as the device"), out.index("recommended:")
+    assert first < answer

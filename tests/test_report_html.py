@@ -61,7 +61,7 @@ def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
     for heading in ("Results", "Comparison against", "Throughput against device memory", "Hit rate against Belady",
                     "Step times", "Per rank", "Top operators"):
         assert heading in text
-    assert "freqcache[cache_ratio=0.1]@w1" in text and "Welch's t" in text and "aten::mm" in text
+    assert "freqcache[cache_ratio=0.1]@w1" in text and "Welch" in text and "aten::mm" in text
 
 
 def test_a_report_without_caches_or_ranks_leaves_their_sections_out(tmp_path):
