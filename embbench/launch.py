@@ -316,14 +316,16 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             why_not = _weights_comparable(record, baseline_record)
             mine = weights_dir / record.metrics["weights_file"]
             theirs = weights_dir / baseline_record.metrics["weights_file"] if baseline_record else None
-            if why_not is None and mine.exists() and theirs.exists():
+            if cell.id in done:
+                pass  # compared when it was written
+            elif why_not is None and mine.exists() and theirs.exists():
                 try:
                     record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, theirs)
                 except RecordError as e:
                     record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
-        if write:
+        if write and cell.id not in done:  # a reused record stays as it was written
             try:
                 write_record(out_dir, cell.slug, record)
             except (OSError, RecordError) as e:  # disk full, directory removed: told once, the other cells still run

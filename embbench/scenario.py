@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import stat
 import typing
 from dataclasses import dataclass, field
@@ -233,9 +234,26 @@ class Scenario(_Strict):
         return bool(self.run.compare_weights)
 
 
+#: A cell id whose file name is the id itself, its brackets as ``_`` (as every release wrote it).
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]+(\[[A-Za-z0-9_.=,-]*\])?@w[0-9]+")
+#: Longest file name a slug makes (most file systems allow 255 bytes; ``.rank0.log`` and the
+#: temporary file's affixes go around it).
+_MAX_SLUG = 200
+
+
 def cell_slug(cell_id: str) -> str:
-    """A cell id as a file name (its record is ``<slug>.json``)."""
-    return "".join(c if c.isalnum() or c in "-_.=@," else "_" for c in cell_id)
+    """A cell id as a file name (its record is ``<slug>.json``), one per id.
+
+    A plain id (letters, digits and ``_.-=,`` in its name and parameters) keeps the name runs
+    have always had: the id with its brackets as ``_``. Any other id (a space, a slash, a
+    non-ASCII letter in a parameter) is shortened to those characters and gets ``~`` and a
+    hash of the whole id, so ids that differ only in what the name drops get two files (no
+    plain slug holds a ``~``). Two ids that still meet in one name are refused
+    (:func:`parse_scenario`, :func:`embbench.results.write_record`)."""
+    shown = "".join(c if c.isascii() and (c.isalnum() or c in "-_.=@,") else "_" for c in cell_id)
+    if _PLAIN_ID.fullmatch(cell_id) and len(shown) <= _MAX_SLUG:
+        return shown
+    return f"{shown[:_MAX_SLUG - 13]}~{hashlib.sha256(cell_id.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -341,6 +359,12 @@ def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[C
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise ScenarioError(f"{file}: strategies: the same cell appears twice: {', '.join(duplicates)}")
+    slugs: dict[str, str] = {}
+    for cell in cells:
+        other = slugs.setdefault(cell.slug, cell.id)
+        if other != cell.id:
+            raise ScenarioError(f"{file}: strategies: cells {other} and {cell.id} would share the record file "
+                                f"{cell.slug}.json; rename a strategy or a parameter value")
     return scenario, cells
 
 

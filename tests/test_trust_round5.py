@@ -1,0 +1,139 @@
+"""Trust round 5 (issue 33): one cell one file, a lock that follows no link, every output of a
+strategy checked, one definition of each bound, undefined is not zero, sizes parsed whole,
+out of memory and out of disk said so, and the sweep tool as careful as ``embbench run``.
+
+Every probe runs in this process and starts no cell's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from embbench.cli import main
+from embbench.launch import CellOutcome, run_cells
+from embbench.results import LOCK_FILE, RecordError, load_records, run_directory_lock, write_record
+from embbench.scenario import Cell, ScenarioError, cell_slug, parse_scenario
+from tests.conftest import _install_plugin, tiny_scenario
+from tests.record_factory import make_record
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _ok(cell: Cell, weights) -> CellOutcome:
+    return CellOutcome("ok", None, make_record().metrics)
+
+
+# --- one cell, one file -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tagged(tmp_path, monkeypatch):
+    """A strategy with a free-text parameter (whose values a file name cannot hold as they are)."""
+    from embbench.strategy import load_strategies
+
+    _install_plugin(tmp_path / "tagsite", "tag_plugin", {"tagged": "tag_plugin:Tagged"}, """
+        from baselines.tables import DeviceStrategy
+        from embbench.strategy import StrategyParams
+
+        class TagParams(StrategyParams):
+            tag: str = ""
+
+        class Tagged(DeviceStrategy):
+            name = "tagged"
+            Params = TagParams
+        """, monkeypatch)
+    yield
+    load_strategies.cache_clear()
+
+
+def test_cells_whose_ids_differ_only_where_the_file_name_drops_get_a_file_each(tmp_path, capsys, tagged):
+    raw = tiny_scenario(run={"compare_weights": False}, baseline="tagged",
+                        strategies=[{"name": "tagged", "params": {"tag": ["a b", "a/b", "a_b"]}}])
+    scenario, cells = parse_scenario(raw, "t.yaml")
+    assert len({c.slug for c in cells}) == 3
+    assert cell_slug("tagged[tag=a_b]@w1") == "tagged_tag=a_b_@w1"  # a plain id keeps the name runs always had
+    run_cells(scenario, "t.yaml", cells, tmp_path, execute=_ok)
+    assert sorted(r.cell_id for r in load_records(tmp_path)) == sorted(c.id for c in cells)
+    code, out, err = _cli(capsys, "show", tmp_path, "--json")
+    assert code == 0 and err == "" and len(json.loads(out)) == 3
+
+
+def test_a_name_two_cells_would_share_is_refused_never_overwritten(tmp_path):
+    write_record(tmp_path, "cpu@w1", make_record("cpu"))
+    before = (tmp_path / "cpu@w1.json").read_bytes()
+    with pytest.raises(RecordError, match=r"cpu@w1\.json: holds the record of cell cpu@w1; the record of device@w1 "
+                                          r"would replace it \(two cells, one file name\); not written"):
+        write_record(tmp_path, "cpu@w1", make_record("device"))
+    assert (tmp_path / "cpu@w1.json").read_bytes() == before
+
+
+def test_a_scenario_whose_cells_would_share_a_record_file_is_refused_up_front(monkeypatch):
+    import embbench.scenario as scenario_module
+
+    monkeypatch.setattr(scenario_module, "cell_slug", lambda cell_id: "same")  # as two plain ids could meet
+    with pytest.raises(ScenarioError, match=r"t.yaml: strategies: cells device@w1 and cpu@w1 would share the record "
+                                            r"file same\.json"):
+        parse_scenario(tiny_scenario(), "t.yaml")
+
+
+def test_resume_never_takes_a_record_edited_to_another_cell_nor_overwrites_one_it_did_not_write(tmp_path):
+    scenario, cells = parse_scenario(tiny_scenario(run={"compare_weights": False}), "t.yaml")  # device, cpu
+    run_cells(scenario, "t.yaml", cells, tmp_path, execute=_ok)
+    edited = tmp_path / "device@w1.json"
+    data = json.loads(edited.read_text())
+    data.update(cell_id="cpu@w1", strategy="cpu")  # the device's numbers, claiming to be cpu's
+    edited.write_text(json.dumps(data))
+    genuine = (tmp_path / "cpu@w1.json").read_bytes()
+    started, notes = [], []
+    run_cells(scenario, "t.yaml", cells, tmp_path, resume=True, execute=_ok, on_start=started.append,
+              on_notice=notes.append)
+    assert (tmp_path / "cpu@w1.json").read_bytes() == genuine  # reused, not rewritten
+    assert [c.id for c in started] == ["device@w1"]  # its file was damaged: it runs again
+    assert any(f"{edited}: holds the record of cell cpu@w1, whose file is cpu@w1.json" in n for n in notes)
+    assert {r.cell_id for r in load_records(tmp_path)} == {"device@w1", "cpu@w1"}
+
+
+def test_records_get_the_permissions_of_the_runs_other_files(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write_record(tmp_path, "device@w1", make_record("device"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+# --- the run lock ------------------------------------------------------------------------------
+
+
+def test_the_lock_follows_no_link(tmp_path):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(outside)
+    with pytest.raises(ValueError, match=rf"{LOCK_FILE}: .*is a symbolic link, not a regular file; remove it"):
+        with run_directory_lock(run):
+            pass
+    assert outside.read_text() == "keep me"
+    (run / LOCK_FILE).unlink()
+    (run / LOCK_FILE).symlink_to(tmp_path / "dangling")
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        with run_directory_lock(run):
+            pass
+    assert not (tmp_path / "dangling").exists()
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_refused_by_name(tmp_path):
+    os.mkfifo(tmp_path / LOCK_FILE)
+    with pytest.raises(ValueError, match=rf"{tmp_path / LOCK_FILE}: cannot lock the run directory: is a FIFO, not a "
+                                         "regular file; remove it"):
+        with run_directory_lock(tmp_path):
+            pass
