@@ -169,6 +169,10 @@ def _load_weights(path: Path) -> list[torch.Tensor]:
 
 def _max_weight_diff(a: Path, b: Path) -> float:
     left, right = _load_weights(a), _load_weights(b)
+    shapes = [[list(t.shape) for t in w] if isinstance(w, list) and all(isinstance(t, torch.Tensor) for t in w) else None
+              for w in (left, right)]
+    if shapes[0] is None or shapes[0] != shapes[1]:  # a file of another scenario, or one not made by the runner
+        raise RecordError(f"{a}: its tables differ in number or shape from the baseline's in {b}; not compared")
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
 
 

@@ -44,8 +44,9 @@ class Diverged(RuntimeError):
 
 
 class StrategyOutputError(RuntimeError):
-    """A strategy's sparse module returned something other than its pooled embeddings'
-    contract (a tensor ``[local batch, tables * dim]`` on the compute device)."""
+    """A strategy's sparse module returned something other than its contract: pooled
+    embeddings (a float32 tensor ``[local batch, tables * dim]`` on the compute device), or
+    flushed tables (one float32 ``[rows, dim]`` per table)."""
 
 
 @scoped_to_the_cell  # run.dense_precision's matmul mode (tf32) for the whole cell
@@ -114,10 +115,29 @@ class _Training:
             got = str(list(out.shape))
         elif out.device.type != self.device.type:  # (cuda:1 on cuda:0 is torch's own error to raise)
             got = f"a tensor on {out.device}"
+        elif out.dtype != torch.float32:  # embeddings stay fp32 (run.dense_precision is the dense model's)
+            got = f"{out.dtype}"
         else:
             return out
-        raise StrategyOutputError(f"strategy {self.strategy_name} returned {got}; expected {expected} on "
+        raise StrategyOutputError(f"strategy {self.strategy_name} returned {got}; expected float32 {expected} on "
                                   f"{self.device} (batch, tables x dim = {len(self.tables)} x {dim})")
+
+    def flushed(self) -> list[torch.Tensor]:
+        """The sparse module's trained tables, checked against the contract (one float32 tensor
+        ``[rows, dim]`` per table, in order), so that a strategy that breaks it is named rather
+        than compared wrongly (a short list would be zipped) or failing the whole run."""
+        tables = self.sparse.flush()
+        expected = [[t.num_rows, t.dim] for t in self.tables]
+        if not isinstance(tables, (list, tuple)) or len(tables) != len(expected):
+            got = f"{len(tables)} tables" if isinstance(tables, (list, tuple)) else f"a {type(tables).__name__}"
+            raise StrategyOutputError(f"strategy {self.strategy_name}: flush() returned {got}; expected a list of "
+                                      f"{len(expected)} (one per table)")
+        for i, (t, shape) in enumerate(zip(tables, expected)):
+            if not isinstance(t, torch.Tensor) or list(t.shape) != shape or t.dtype != torch.float32:
+                got = f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else f"{t.dtype} {list(t.shape)}"
+                raise StrategyOutputError(f"strategy {self.strategy_name}: flush() returned {got} for table {i}; "
+                                          f"expected float32 {shape} (rows, dim)")
+        return list(tables)
 
     def train_step(self) -> torch.Tensor:
         """One training step, everything a strategy does included; batches are made before."""
@@ -336,7 +356,7 @@ def _save_weights(training: _Training, path: Path | None) -> str | None:
     comparison); the file's name, or None when not asked."""
     if path is None:
         return None
-    flushed = training.sparse.flush()
+    flushed = training.flushed()
     _check_finite_values({f"the trained weights of table {i}": t for i, t in enumerate(flushed)})
     if training.env.rank != 0:
         return None

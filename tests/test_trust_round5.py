@@ -12,6 +12,7 @@ import os
 import stat
 
 import pytest
+import torch
 
 from embbench.cli import main
 from embbench.launch import CellOutcome, run_cells
@@ -137,3 +138,60 @@ def test_a_lock_path_that_is_not_a_regular_file_is_refused_by_name(tmp_path):
                                          "regular file; remove it"):
         with run_directory_lock(tmp_path):
             pass
+
+
+# --- every output of a strategy is checked ------------------------------------------------------
+
+
+def _broken_device(forward=None, flush=None):
+    """The device strategy with its module's forward output or flushed tables altered."""
+    from baselines.tables import DeviceStrategy
+
+    class Broken(DeviceStrategy):
+        name = "broken"
+
+        def build(self, ctx):
+            module = super().build(ctx)
+            inner_forward, inner_flush = module.forward, module.flush
+            if forward:
+                module.forward = lambda features: forward(inner_forward(features))
+            if flush:
+                module.flush = lambda: flush(inner_flush())
+            return module
+
+    return Broken
+
+
+@pytest.mark.parametrize("forward, flush, expected", [
+    (lambda out: out.to(torch.int64), None, r"strategy broken returned torch\.int64; expected float32 \[64, 208\]"),
+    (lambda out: out.half(), None, r"strategy broken returned torch\.float16; expected float32"),
+    (lambda out: out.double(), None, r"strategy broken returned torch\.float64; expected float32"),
+    (None, lambda tables: tables[:1], r"strategy broken: flush\(\) returned 1 tables; expected a list of 26"),
+    (None, lambda tables: [t.T for t in tables], r"strategy broken: flush\(\) returned torch\.float32 \[8, \d+\] for "
+                                                 r"table 0; expected float32 \[\d+, 8\]"),
+    (None, lambda tables: [t.half() for t in tables], r"flush\(\) returned torch\.float16 \[\d+, 8\] for table 0"),
+], ids=["forward-int64", "forward-float16", "forward-float64", "flush-one-table", "flush-transposed", "flush-float16"])
+def test_a_strategy_that_breaks_its_output_contract_fails_its_cell_named(tmp_path, monkeypatch, forward, flush, expected):
+    import embbench.scenario as scenario_module
+    from embbench.runner import StrategyOutputError, _classify, run_cell
+    from embbench.strategy import RuntimeEnv
+
+    real = scenario_module.get_strategy
+    broken = _broken_device(forward, flush)
+    monkeypatch.setattr(scenario_module, "get_strategy", lambda name: broken if name == "broken" else real(name))
+    scenario, cells = parse_scenario(tiny_scenario(strategies=[{"name": "broken"}], baseline="broken"), "t.yaml")
+    with pytest.raises(StrategyOutputError, match=expected) as err:
+        run_cell(scenario, cells[0], RuntimeEnv(torch.device("cpu")), tmp_path / "w.pt")
+    assert _classify(err.value) == "error"
+
+
+def test_weights_of_another_shape_cost_the_comparison_not_the_run(tmp_path):
+    from embbench.launch import _max_weight_diff
+
+    torch.save([torch.zeros(3, 4), torch.zeros(5, 4)], tmp_path / "base.pt")
+    torch.save([torch.zeros(4, 3), torch.zeros(5, 4)], tmp_path / "mine.pt")
+    with pytest.raises(RecordError, match=r"mine\.pt: its tables differ in number or shape from the baseline's"):
+        _max_weight_diff(tmp_path / "mine.pt", tmp_path / "base.pt")
+    torch.save([torch.zeros(3, 4)], tmp_path / "short.pt")
+    with pytest.raises(RecordError, match="differ in number or shape"):
+        _max_weight_diff(tmp_path / "short.pt", tmp_path / "base.pt")
