@@ -36,14 +36,9 @@ __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_s
 SCHEMA_VERSION = 1
 Status = Literal["ok", "unsupported", "error", "oom", "timeout", "diverged"]
 
-# The measured figures: strict (a string or a bool is not a number) and finite.
-Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
-Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0)]
-Rate = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
-Count = Annotated[int, Field(strict=True, ge=0)]
-PositiveCount = Annotated[int, Field(strict=True, gt=0)]
-Bytes = Count
+# The measured figures: strict (a string or a bool is not a number) and finite; the bounds a
+# scenario's fields share (embbench.bounds).
+from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate  # noqa: E402
 
 
 def _ordered_interval(ci: tuple[float, float] | None) -> tuple[float, float] | None:

@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from embbench.bounds import Config, PositiveCount, Seed
 from embbench.data.criteo import NUM_TABLES
 from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.model import ModelConfig
@@ -35,8 +36,7 @@ class ScenarioError(ValueError):
     """A scenario that cannot run; the message names the file and the key."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = Config  # unknown keys, infinities and booleans for numbers refused (embbench.bounds)
 
 
 class DriftConfig(_Strict):
@@ -145,7 +145,7 @@ PROFILE_STEPS = 3
 
 
 class RunConfig(_Strict):
-    world_size: int | list[int] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
+    world_size: PositiveCount | list[PositiveCount] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     warmup_steps: int = Field(5, ge=0, description="warm-up steps (the least, when warmup_max_steps is set)")
     warmup_max_steps: int | None = Field(
@@ -154,7 +154,7 @@ class RunConfig(_Strict):
     steps: int = Field(20, gt=0, description="measured steps per repeat")
     repeats: int = Field(3, ge=1)
     eval_batches: int = Field(4, ge=0)
-    seed: int = 0
+    seed: Seed = 0
     time_limit_s: float = Field(600, gt=0, description="per cell, build to evaluation")
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
@@ -290,7 +290,8 @@ def _loc(loc: tuple) -> str:
 
 
 # The member of a union pydantic tried, which it puts in an error's path ("data.alpha.float").
-_UNION_TAGS = ("int", "float", "str", "bool", "list[int]", "list[float]", "literal['auto']")
+_UNION_TAGS = ("int", "float", "str", "bool", "list[int]", "list[float]", "literal['auto']", "constrained-int",
+               "list[constrained-int]")
 
 
 def _format(errors: list[dict], file: str, prefix: str = "") -> str:
@@ -298,7 +299,7 @@ def _format(errors: list[dict], file: str, prefix: str = "") -> str:
     for e in errors:
         key = _loc(tuple(p for p in e["loc"] if p not in _UNION_TAGS))
         if e["type"] == "scenario_key":
-            key = f"{key}.{e['ctx']['key']}"
+            key = f"{key}.{e['ctx']['key']}" if key else e["ctx"]["key"]
         key = f"{prefix}.{key}" if prefix and key else (prefix or key)
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         lines.append(f"{file}: {key}: {msg}" if key else f"{file}: {msg}")

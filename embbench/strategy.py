@@ -19,9 +19,9 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar, Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from embbench.bounds import Config
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.optim import EmbeddingOptimizer
@@ -66,10 +66,9 @@ class Unsupported(Exception):
     """Raised by a strategy that cannot run in this environment; the message says why."""
 
 
-class StrategyParams(BaseModel):
-    """Base class of a strategy's parameters: typed, defaulted, validated, no unknown keys."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class StrategyParams(Config):
+    """Base class of a strategy's parameters: typed, defaulted, validated, no unknown keys, no
+    infinity, no boolean for a number (:class:`embbench.bounds.Config`)."""
 
 
 class NoParams(StrategyParams):

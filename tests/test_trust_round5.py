@@ -195,3 +195,43 @@ def test_weights_of_another_shape_cost_the_comparison_not_the_run(tmp_path):
     torch.save([torch.zeros(3, 4)], tmp_path / "short.pt")
     with pytest.raises(RecordError, match="differ in number or shape"):
         _max_weight_diff(tmp_path / "short.pt", tmp_path / "base.pt")
+
+
+# --- what a scenario accepts, a record can hold -------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"data": {"alpha": float("inf")}}, "t.yaml: data.alpha: Input should be a finite number"),
+    ({"run": {"time_limit_s": float("inf")}}, "t.yaml: run.time_limit_s: Input should be a finite number"),
+    ({"optimizer": {"embedding": {"lr": float("nan")}}}, "t.yaml: optimizer.embedding.lr: Input should be a finite number"),
+    ({"run": {"seed": 2 ** 70}}, "t.yaml: run.seed: Input should be less than 18446744073709551616"),
+    ({"run": {"seed": -1}}, "t.yaml: run.seed: Input should be greater than or equal to 0"),
+    ({"run": {"world_size": True}}, "t.yaml: run.world_size: true is a boolean, not a number"),
+    ({"run": {"steps": True}}, "t.yaml: run.steps: true is a boolean, not a number"),
+    ({"strategies": [{"name": "device"}, {"name": "freqcache", "params": {"lookahead": True}}]},
+     "t.yaml: strategies[1].params.lookahead: true is a boolean, not a number"),
+    ({"strategies": [{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": float("inf")}}]},
+     "t.yaml: strategies[1].params.cache_ratio: Input should be a finite number"),
+], ids=["alpha-inf", "time-limit-inf", "lr-nan", "seed-2^70", "seed-negative", "world-size-true", "steps-true",
+        "lookahead-true", "param-inf"])
+def test_a_value_a_record_could_not_hold_or_a_boolean_for_a_number_is_refused_up_front(overrides, expected):
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(tiny_scenario(**overrides), "t.yaml")
+    assert str(err.value).splitlines()[0] == expected
+
+
+def test_booleans_stay_booleans_where_a_field_takes_one():
+    scenario, cells = parse_scenario(tiny_scenario(run={"compare_weights": True}, strategies=[
+        {"name": "device"}, {"name": "freqcache", "params": {"prefetch": False, "compile": True}}]), "t.yaml")
+    assert scenario.run.compare_weights is True and cells[1].make_strategy().params.prefetch is False
+
+
+def test_a_scenario_at_its_bounds_makes_a_record_that_validates():
+    from embbench.launch import scenario_info
+    from embbench.results import Record
+
+    scenario, cells = parse_scenario(tiny_scenario(run={"seed": 2 ** 64 - 1, "time_limit_s": 1e300},
+                                                   data={"alpha": 1e300, "scale": 0.0002}), "t.yaml")
+    record = Record(cell_id=cells[0].id, strategy="device", params={}, world_size=1, status="error", message="x",
+                    baseline="device", scenario=scenario_info(scenario, "t.yaml"), provenance={})
+    assert Record.model_validate_json(record.model_dump_json()) == record
