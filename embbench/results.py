@@ -103,6 +103,7 @@ class Memory(MemoryFigures):
 class Accuracy(TypedDict):
     train_loss_last10: NotRequired[NonNegative]
     auc: NotRequired[Rate | None]
+    auc_missing: NotRequired[str]  # why auc is None (one class only: undefined)
     logloss: NotRequired[NonNegative | None]
     eval_samples: NotRequired[Count]
 

@@ -346,8 +346,8 @@ def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progres
         if env.world_size > 1:
             all_logits, all_labels = _gather(all_logits, group), _gather(all_labels, group)
         _check_finite_values({"the evaluation logits": all_logits})
-        auc, logloss = auc_logloss(all_logits, all_labels)
-        accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel())
+        auc, logloss, no_auc = auc_logloss(all_logits, all_labels)
+        accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel(), **({"auc_missing": no_auc} if no_auc else {}))
     return accuracy
 
 

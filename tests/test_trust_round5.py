@@ -235,3 +235,21 @@ def test_a_scenario_at_its_bounds_makes_a_record_that_validates():
     record = Record(cell_id=cells[0].id, strategy="device", params={}, world_size=1, status="error", message="x",
                     baseline="device", scenario=scenario_info(scenario, "t.yaml"), provenance={})
     assert Record.model_validate_json(record.model_dump_json()) == record
+
+
+# --- undefined is not zero ----------------------------------------------------------------------
+
+
+def test_auc_over_one_class_is_null_with_the_reason():
+    from embbench.metrics import auc_logloss
+    from embbench.results import Record
+
+    logits = torch.tensor([0.3, -1.0, 2.0])
+    auc, logloss, why = auc_logloss(logits, torch.zeros(3))
+    assert auc is None and logloss > 0 and why == "undefined: all 3 evaluation labels are negative (AUC needs both classes)"
+    assert auc_logloss(logits, torch.ones(3))[2].startswith("undefined: all 3 evaluation labels are positive")
+    auc, _, why = auc_logloss(logits, torch.tensor([0.0, 0.0, 1.0]))
+    assert auc == 1.0 and why is None
+    record = make_record()
+    record.metrics["accuracy"].update(auc=None, auc_missing="undefined: all 3 evaluation labels are negative")
+    assert Record.model_validate_json(record.model_dump_json()).metrics["accuracy"]["auc"] is None
