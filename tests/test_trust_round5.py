@@ -253,3 +253,23 @@ def test_auc_over_one_class_is_null_with_the_reason():
     record = make_record()
     record.metrics["accuracy"].update(auc=None, auc_missing="undefined: all 3 evaluation labels are negative")
     assert Record.model_validate_json(record.model_dump_json()).metrics["accuracy"]["auc"] is None
+
+
+# --- sizes parse whole --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["16,5GiB", "64GB of RAM", "16GiBs", "GiB", "1e3", "16 GiB 2"])
+def test_a_size_is_a_number_and_a_unit_nothing_else(tmp_path, capsys, text):
+    from tests.record_factory import write_run
+
+    run = write_run(tmp_path / "run", [make_record("device")])
+    code, _, err = _cli(capsys, "recommend", run, "--device-memory", text)
+    assert code == 2 and err == (f"error: --device-memory {text!r}: expected a size such as 16GiB, 512MiB, 1.5GB or a "
+                                 "number of bytes\n")
+
+
+def test_sizes_that_are_whole_still_parse():
+    from embbench.recommend import parse_size
+
+    assert [parse_size(t) for t in ("16GiB", "16 gib", "1.5GB", "512", " 2MiB ")] == [16 << 30, 16 << 30, 1_500_000_000,
+                                                                                         512, 2 << 20]
