@@ -9,6 +9,8 @@ processes are reaped, its record is written at once, and the next cell runs.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import signal
 import socket
@@ -28,7 +30,7 @@ from embbench.device import resolve_device
 from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
                               schema_error, write_record)
 from embbench.scenario import Cell, Scenario
-from embbench.strategy import RuntimeEnv, Unsupported
+from embbench.strategy import RuntimeEnv, Unsupported, estimate_kwargs
 
 __all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "other_scenario", "reusable_records",
            "run_cells", "run_isolated", "scenario_info"]
@@ -420,11 +422,20 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     broken plugin: it raises ``RuntimeError`` naming the strategy.
     """
     try:
-        est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size)
+        strategy = cell.make_strategy()
+        run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
+                              train_steps=scenario.run.training_batches_read() - 1)
+        est = strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
     except Exception as e:
         raise RuntimeError(f"strategy {cell.strategy!r}: estimate_memory raised {type(e).__name__}: {e}") from e
     if est is None:
         return None, None
+    for key in ("device_bytes", "host_bytes", "pinned_bytes"):
+        value = getattr(est, key, None)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            # NaN compares as fitting everywhere; infinity or a negative number is no estimate either
+            raise RuntimeError(f"strategy {cell.strategy!r}: estimate_memory returned {key} {value!r}; expected "
+                               "a finite number of bytes, at least 0")
     on_host = est.host_bytes + est.pinned_bytes + (est.device_bytes if device.type == "cpu" else 0)
     per_rank = {"device": est.device_bytes, "host": on_host}
     free, source = _free_host_bytes()

@@ -199,7 +199,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
         tables=tables, env=env, optimizer=scenario.optimizer.embedding, local_batch_size=global_batch // env.world_size,
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
         train_batches=lambda n: (stream.fresh(i) for i in range(n)),
-        warmup_steps=run.warmup_steps, process_group=process_group,
+        warmup_steps=run.warmup_steps, process_group=process_group, train_steps=train_steps,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)
@@ -519,7 +519,9 @@ def _classify(exc: BaseException) -> str:
         return "unsupported"
     if isinstance(exc, Diverged):
         return "diverged"
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower():
+    # CUDA's OOM, Python's, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(
+            words in str(exc).lower() for words in ("out of memory", "can't allocate memory")):
         return "oom"
     return "error"
 

@@ -273,3 +273,64 @@ def test_sizes_that_are_whole_still_parse():
 
     assert [parse_size(t) for t in ("16GiB", "16 gib", "1.5GB", "512", " 2MiB ")] == [16 << 30, 16 << 30, 1_500_000_000,
                                                                                          512, 2 << 20]
+
+
+# --- out of memory says so ----------------------------------------------------------------------
+
+
+def test_the_cpu_allocators_out_of_memory_is_oom():
+    from embbench.runner import _classify
+
+    with pytest.raises(RuntimeError) as err:
+        torch.empty(1 << 62, dtype=torch.uint8)  # refused by the allocator at once, nothing touched
+    assert "can't allocate memory" in str(err.value) and _classify(err.value) == "oom"
+
+
+def test_freqcaches_look_ahead_is_bounded_by_the_steps_the_run_hands_it(tmp_path):
+    from embbench.runner import run_cell
+    from embbench.strategy import RuntimeEnv
+
+    scenario, cells = parse_scenario(tiny_scenario(run={"compare_weights": False}, strategies=[
+        {"name": "device"}, {"name": "freqcache", "params": {"lookahead": 1_000_000_000, "compile": False}}]), "t.yaml")
+    metrics = run_cell(scenario, cells[1], RuntimeEnv(torch.device("cpu")))  # asked for 13 TiB of window before
+    assert metrics["extra"]["lookahead"] == scenario.run.training_batches_read(profile=False) - 1
+
+
+def test_the_dry_run_estimate_counts_freqcaches_window():
+    from embbench.launch import memory_preflight
+
+    scenario, cells = parse_scenario(tiny_scenario(run={"steps": 1000}, strategies=[
+        {"name": "device"}, {"name": "freqcache", "params": {"lookahead": [8, 1000, 1_000_000_000]}}]), "t.yaml")
+    device = [memory_preflight(scenario, cell, torch.device("cpu"))[0]["device"] for cell in cells[1:]]
+    max_ids = 64 * 26  # a batch's ids: the window's room per batch at most, 8 bytes a pair
+    assert device[1] - device[0] == (1000 - 8) * max_ids * 8
+    steps = scenario.run.training_batches_read() - 1
+    assert device[2] - device[0] == (steps - 8) * max_ids * 8  # never further than the run's batches
+
+
+def _estimating(monkeypatch, estimate):
+    import embbench.scenario as scenario_module
+    from baselines.tables import DeviceStrategy
+    from embbench.strategy import MemoryFootprint
+
+    class Estimates(DeviceStrategy):
+        name = "estimates"
+
+        def estimate_memory(self, tables, optimizer, world_size):
+            return MemoryFootprint(**estimate)
+
+    real = scenario_module.get_strategy
+    monkeypatch.setattr(scenario_module, "get_strategy", lambda name: Estimates if name == "estimates" else real(name))
+    return parse_scenario(tiny_scenario(strategies=[{"name": "estimates"}], baseline="estimates"), "t.yaml")
+
+
+@pytest.mark.parametrize("estimate, shown", [({"device_bytes": float("nan")}, "device_bytes nan"),
+                                             ({"host_bytes": -1}, "host_bytes -1"),
+                                             ({"pinned_bytes": float("inf")}, "pinned_bytes inf")])
+def test_a_memory_estimate_that_is_no_number_of_bytes_fails_its_cell_named(monkeypatch, estimate, shown):
+    from embbench.launch import _outcome_without_launch
+
+    scenario, cells = _estimating(monkeypatch, estimate)
+    outcome = _outcome_without_launch(scenario, cells[0])
+    assert outcome.status == "error" and outcome.message == (
+        f"strategy 'estimates': estimate_memory returned {shown}; expected a finite number of bytes, at least 0")
