@@ -18,7 +18,6 @@ import re
 import socket
 import stat
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Literal
@@ -28,6 +27,7 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 from embbench import buildinfo
+from embbench.outputs import atomic_write
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
            "load_records", "provenance", "read_record", "relevant_packages", "run_directory_lock", "scenario_differences",
@@ -435,24 +435,7 @@ def write_record(directory: Path, slug: str, record: Record) -> Path:
     if other is not None and other != record.cell_id:  # two cells, one name: never one over the other
         raise RecordError(f"{path}: holds the record of cell {other}; the record of {record.cell_id} would replace "
                           "it (two cells, one file name); not written")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{slug}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() makes the run's other files (mkstemp makes 0600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # a full disk shows here, not after the rename
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return atomic_write(path, lambda f: f.write(text.encode()))  # with the run's other files' permissions
 
 
 def _genuine_cell(path: Path) -> str | None:

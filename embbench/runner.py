@@ -69,8 +69,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     ops = _count_ops(training)
     profile = _profile(training, profile_path) if profile_path is not None else None
     accuracy = _evaluate(training, timing.losses, report)
-    weights_file = _save_weights(training, weights_path)
-    return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights_file)
+    weights = _save_weights(training, weights_path)
+    return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights)
 
 
 # --- build --------------------------------------------------------------------------------------
@@ -351,25 +351,33 @@ def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progres
     return accuracy
 
 
-def _save_weights(training: _Training, path: Path | None) -> str | None:
+def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
     """The trained weights, flushed to full tables and saved by rank 0 (for the baseline
-    comparison); the file's name, or None when not asked."""
+    comparison): the record's ``weights_file`` (None when not asked), and where the file
+    cannot be written (a full disk), ``weights_not_compared`` saying why: it costs the
+    comparison, never the measurement."""
     if path is None:
-        return None
+        return {"weights_file": None}
     flushed = training.flushed()
     _check_finite_values({f"the trained weights of table {i}": t for i, t in enumerate(flushed)})
     if training.env.rank != 0:
-        return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(flushed, path)
-    return path.name
+        return {"weights_file": None}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:  # through a file object, a full disk is an OSError saying so
+            torch.save(flushed, f)
+    except OSError as e:
+        if path.is_file():
+            path.unlink()  # no half file for a later comparison to read
+        return {"weights_file": None, "weights_not_compared": f"cannot save the flushed weights to {path}: {e.strerror}"}
+    return {"weights_file": path.name}
 
 
 # --- record -------------------------------------------------------------------------------------
 
 
 def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rate: float, ops: OpCounter,
-            profile: dict[str, Any] | None, accuracy: dict[str, Any], weights_file: str | None) -> dict[str, Any]:
+            profile: dict[str, Any] | None, accuracy: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
     """The cell's measurements: this rank's, combined with the other ranks' where they differ."""
     run, env, device, sparse = training.run, training.env, training.device, training.sparse
     footprint = sparse.memory()
@@ -427,7 +435,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         },
         "extra": _combine_extra([r["extra"] for r in ranks]),
         "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
-        "weights_file": weights_file,
+        **weights,
     }
 
 

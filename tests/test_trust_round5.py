@@ -334,3 +334,79 @@ def test_a_memory_estimate_that_is_no_number_of_bytes_fails_its_cell_named(monke
     outcome = _outcome_without_launch(scenario, cells[0])
     assert outcome.status == "error" and outcome.message == (
         f"strategy 'estimates': estimate_memory returned {shown}; expected a finite number of bytes, at least 0")
+
+
+# --- out of disk says so ------------------------------------------------------------------------
+
+
+def _disk_full_at_sync(monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+
+
+def test_a_full_disk_for_the_weights_copy_costs_the_comparison_not_the_cell(tmp_path):
+    from embbench.runner import run_cell
+    from embbench.strategy import RuntimeEnv
+
+    scenario, cells = parse_scenario(tiny_scenario(), "t.yaml")
+    weights = tmp_path / "weights" / "device@w1.pt"
+    weights.parent.mkdir()
+    weights.symlink_to("/dev/full")  # every write: No space left on device
+    metrics = run_cell(scenario, cells[0], RuntimeEnv(torch.device("cpu")), weights)
+    assert metrics["weights_file"] is None and metrics["step_time_s"]["n"] > 0
+    assert metrics["weights_not_compared"] == f"cannot save the flushed weights to {weights}: No space left on device"
+
+
+def test_report_on_a_full_disk_leaves_no_file_and_names_it(tmp_path, capsys, monkeypatch):
+    from tests.record_factory import write_run
+
+    run = write_run(tmp_path / "run", [make_record("device"), make_record("cpu", step_times=[0.02] * 12)])
+    out = tmp_path / "out"
+    out.mkdir()
+    _disk_full_at_sync(monkeypatch)
+    code, _, err = _cli(capsys, "report", run, "--out", out / "r.html")
+    assert code == 2 and err == f"error: --out {out / 'r.html'}: cannot write the report: No space left on device\n"
+    assert list(out.iterdir()) == []
+
+
+def test_trace_record_on_a_full_disk_leaves_no_file_and_names_it(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    scenario = tmp_path / "t.yaml"
+    scenario.write_text(yaml.safe_dump(tiny_scenario()))
+    out = tmp_path / "out"
+    out.mkdir()
+    _disk_full_at_sync(monkeypatch)
+    code, _, err = _cli(capsys, "trace", "record", scenario, "--out", out / "t.npz", "--train-batches", "2")
+    assert code == 2 and err == (f"error: [Errno 28] cannot write the trace: No space left on device: "
+                                 f"'{out / 't.npz'}'\n")
+    assert list(out.iterdir()) == []
+
+
+def test_data_prepare_on_a_full_disk_names_the_entry(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import yaml
+
+    import embbench.data.criteo as criteo
+    from embbench.data.fake_criteo import write_fake_criteo
+
+    source = write_fake_criteo(tmp_path / "train.txt", 200, seed=3)
+    raw = tiny_scenario(data={"source": "criteo_tsv", "path": str(source), "eval": 0.25, "embedding_dim": 8,
+                              "batch_size": 64, "preset": "criteo_kaggle", "scale": 1.0})
+    del raw["data"]["preset"], raw["data"]["scale"]
+    scenario = tmp_path / "tsv.yaml"
+    scenario.write_text(yaml.safe_dump(raw))
+
+    def full(directory):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(criteo, "_write_manifest", full)
+    code, _, err = _cli(capsys, "data", "prepare", scenario, "--data-cache", tmp_path / "cache")
+    assert code == 2 and "cannot build the data cache entry: No space left on device: " in err
+    assert f"'{tmp_path / 'cache'}/" in err  # the entry, by its path
+    assert not [p for p in (tmp_path / "cache").rglob("*") if ".tmp-" in p.name]
