@@ -29,7 +29,8 @@ from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.precision import DENSE_PRECISIONS, DensePrecision
 from embbench.strategy import Strategy, get_strategy
 
-__all__ = ["Cell", "Scenario", "cell_slug", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
+__all__ = ["Cell", "Scenario", "cell_slug", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text",
+           "read_yaml", "validate_config"]
 
 
 class ScenarioError(ValueError):
@@ -336,12 +337,7 @@ def _expand(entry: StrategyEntry, index: int, file: str) -> list[dict[str, Any]]
 
 def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[Cell]]:
     """Validate a scenario mapping and expand it into cells (the baseline's first)."""
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{file}: a scenario is a mapping of keys, got {type(raw).__name__}")
-    try:
-        scenario = Scenario.model_validate(raw)
-    except ValidationError as e:
-        raise ScenarioError(_format(e.errors(), file)) from None
+    scenario = validate_config(Scenario, raw, file, "scenario")
     if scenario.model.bottom_mlp[-1] != scenario.data.embedding_dim:
         # DLRM takes dot products of the bottom MLP's output with every pooled embedding; DCNv2
         # crosses them as equal-width parts of one vector (as MLPerf's does).
@@ -422,6 +418,32 @@ def read_scenario_text(path: Path) -> str:
         raise ScenarioError(f"{path}: line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
 
 
+def read_yaml(path: Path) -> Any:
+    """A scenario-like YAML file, parsed (:func:`read_scenario_text`; a key given twice refused).
+
+    Raises:
+        ScenarioError: naming the file, and the line of invalid YAML.
+    """
+    text = read_scenario_text(path)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ScenarioError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
+
+
+def validate_config(model: type[Config], raw: Any, file: str, what: str) -> Any:
+    """``raw`` as ``model``, or a :class:`ScenarioError` naming the file and each key (``what``: a
+    scenario, a sweep)."""
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{file}: a {what} is a mapping of keys, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise ScenarioError(_format(e.errors(), file)) from None
+
+
 def load_scenario(
     path: str | Path,
     steps: int | None = None,
@@ -430,13 +452,7 @@ def load_scenario(
 ) -> tuple[Scenario, list[Cell]]:
     """Read, override (command-line flags), validate and expand a scenario file."""
     path = Path(path)
-    text = read_scenario_text(path)
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ScenarioError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
+    raw = read_yaml(path)
     if isinstance(raw, dict):
         # Overrides go into the sections; a section that is not a mapping fails validation, named.
         if steps is not None and isinstance(raw.setdefault("run", {}), dict):

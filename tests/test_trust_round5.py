@@ -410,3 +410,44 @@ def test_data_prepare_on_a_full_disk_names_the_entry(tmp_path, capsys, monkeypat
     assert code == 2 and "cannot build the data cache entry: No space left on device: " in err
     assert f"'{tmp_path / 'cache'}/" in err  # the entry, by its path
     assert not [p for p in (tmp_path / "cache").rglob("*") if ".tmp-" in p.name]
+
+
+# --- the sweep tool is a user-facing command too -------------------------------------------------
+
+
+_SWEEP = "name: s\nalpha: [1.1]\nrows: [2000]\ncache_ratio: [0.05]\nbatch_ids: [128]\nsteps: 4\nwarmup_steps: 2\n"
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "{path}: no such scenario file"),
+    ("DIR", "{path}: is a directory, not a scenario file"),
+    (b"name: s\n\xff\n", "{path}: line 2: not UTF-8 text (byte 0xff at offset 8)"),
+    (_SWEEP + "rows: [10]\n", "{path}: line 8, column 1: invalid YAML: duplicate key 'rows' (first on line 3)"),
+    (_SWEEP.replace("rows: [2000]", "rows: [0]"), "{path}: rows[0]: Input should be greater than 0"),
+    (_SWEEP.replace("cache_ratio: [0.05]", "cache_ratio: [1.5]"), "{path}: cache_ratio[0]: Input should be less than or equal to 1"),
+    (_SWEEP.replace("alpha: [1.1]", "alpha: [-1]"), "{path}: alpha[0]: Input should be greater than or equal to 0"),
+    (_SWEEP.replace("alpha: [1.1]", "alpha: [.nan]"), "{path}: alpha[0]: Input should be a finite number"),
+    (_SWEEP.replace("steps: 4", "steps: true"), "{path}: steps: true is a boolean, not a number"),
+    ("[1, 2]", "{path}: a sweep is a mapping of keys, got list"),
+], ids=["missing", "directory", "not-utf8", "duplicate-key", "rows-0", "cache-ratio-1.5", "alpha-negative", "alpha-nan",
+        "steps-true", "not-a-mapping"])
+def test_the_sweep_tool_validates_as_run_does(tmp_path, capsys, content, expected):
+    from embbench.cache.sweep import main
+
+    path = tmp_path / "sweep.yaml"
+    if content == "DIR":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert main([str(path)]) == 2
+    assert capsys.readouterr().err == f"error: {expected.format(path=path)}\n"
+
+
+def test_the_sweeps_look_ahead_is_bounded_by_its_stream():
+    from embbench.cache.sweep import Workload, simulate
+
+    result = simulate(Workload(alpha=1.1, rows=500, cache_ratio=0.1, batch_ids=64, lookahead=1_000_000_000),
+                      profile_batches=4, warmup_steps=2, steps=4)  # hung building a billion batches before
+    assert result["lookahead_batches"] == 6 and 0 <= result["hit_rate"] <= 1
