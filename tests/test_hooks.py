@@ -245,7 +245,7 @@ def test_non_finite_outputs_or_weights_after_a_finite_loss_are_recorded_as_diver
                                            ("elsewhere", "a tensor on meta")])
 def test_a_strategy_output_off_the_contract_is_named(hook_plugins, strategy, got):
     scenario, _ = parse_scenario(tiny_scenario(), "t")
-    expected = f"strategy {strategy} returned {got}; expected [64, 208] on cpu (batch, tables x dim = 26 x 8)"
+    expected = f"strategy {strategy} returned {got}; expected float32 [64, 208] on cpu (batch, tables x dim = 26 x 8)"
     with pytest.raises(StrategyOutputError) as caught:
         run_cell(scenario, Cell(strategy), CPU)
     assert str(caught.value) == expected
