@@ -520,7 +520,7 @@ def _not_regular(path: Path, mode: int | None = None) -> str | None:
         return None
     kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
              stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
-    return "is " + next((name for test, name in kinds.items() if test(mode)), "not a regular file") + ", not a regular file"
+    return "is " + next((name for test, name in kinds.items() if test(mode)), "something else") + ", not a regular file"
 
 
 class RecordError(ValueError):
