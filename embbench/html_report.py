@@ -21,7 +21,7 @@ from rich.console import Console
 from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
-from embbench.outputs import claim_output, head_has
+from embbench.outputs import atomic_write, claim_output, head_has
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
@@ -271,7 +271,7 @@ def write_report(runs: list[Run], out: Path) -> Path:
     """Render and write the report; an unwritable ``out`` is a one-line ValueError."""
     text = render_report(runs)
     try:
-        out.write_text(text, encoding="utf-8")
+        atomic_write(out, lambda f: f.write(text.encode("utf-8")))  # a full disk leaves no half report
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write the report: {e.strerror}") from None
     return out

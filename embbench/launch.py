@@ -16,7 +16,9 @@ cell starts, so a crash or a timeout ends that cell only.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
+import numbers
 import os
 import signal
 import socket
@@ -37,7 +39,7 @@ from embbench.device import resolve_device
 from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
                               schema_error, write_record)
 from embbench.scenario import Cell, Scenario
-from embbench.strategy import RuntimeEnv, Unsupported
+from embbench.strategy import RuntimeEnv, Unsupported, estimate_kwargs
 
 __all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "other_scenario", "reusable_records",
            "run_cells", "run_isolated", "scenario_info"]
@@ -218,6 +220,10 @@ def _load_weights(path: Path) -> list[torch.Tensor]:
 
 def _max_weight_diff(a: Path, b: Path) -> float:
     left, right = _load_weights(a), _load_weights(b)
+    shapes = [[list(t.shape) for t in w] if isinstance(w, list) and all(isinstance(t, torch.Tensor) for t in w) else None
+              for w in (left, right)]
+    if shapes[0] is None or shapes[0] != shapes[1]:  # a file of another scenario, or one not made by the runner
+        raise RecordError(f"{a}: its tables differ in number or shape from the baseline's in {b}; not compared")
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
 
 
@@ -365,14 +371,16 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             why_not = _weights_comparable(record, baseline_record)
             mine = weights_dir / record.metrics["weights_file"]
             theirs = weights_dir / baseline_record.metrics["weights_file"] if baseline_record else None
-            if why_not is None and mine.exists() and theirs.exists():
+            if cell.id in done:
+                pass  # compared when it was written
+            elif why_not is None and mine.exists() and theirs.exists():
                 try:
                     record.metrics["max_weight_diff_vs_baseline"] = _max_weight_diff(mine, theirs)
                 except RecordError as e:
                     record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
-        if write:
+        if write and cell.id not in done:  # a reused record stays as it was written
             try:
                 write_record(out_dir, cell.slug, record)
             except (OSError, RecordError) as e:  # disk full, directory removed: told once, the other cells still run
@@ -463,11 +471,20 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     broken plugin: it raises ``RuntimeError`` naming the strategy.
     """
     try:
-        est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size)
+        strategy = cell.make_strategy()
+        run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
+                              train_steps=scenario.run.training_batches_read() - 1)
+        est = strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
     except Exception as e:
         raise RuntimeError(f"strategy {cell.strategy!r}: estimate_memory raised {type(e).__name__}: {e}") from e
     if est is None:
         return None, None
+    for key in ("device_bytes", "host_bytes", "pinned_bytes"):
+        value = getattr(est, key, None)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            # NaN compares as fitting everywhere; infinity or a negative number is no estimate either
+            raise RuntimeError(f"strategy {cell.strategy!r}: estimate_memory returned {key} {value!r}; expected "
+                               "a finite number of bytes, at least 0")
     on_host = est.host_bytes + est.pinned_bytes + (est.device_bytes if device.type == "cpu" else 0)
     per_rank = {"device": est.device_bytes, "host": on_host}
     free, source = _free_host_bytes()

@@ -181,14 +181,18 @@ def speed_figures(step_seconds: list[float], steps_per_repeat: int, samples_per_
     return step_time, throughput
 
 
-def auc_logloss(logits: Tensor, labels: Tensor) -> tuple[float, float]:
-    """ROC AUC (torchmetrics) and mean log-loss of logits against 0/1 labels."""
+def auc_logloss(logits: Tensor, labels: Tensor) -> tuple[float | None, float, str | None]:
+    """ROC AUC (torchmetrics) and mean log-loss of logits against 0/1 labels, and why there
+    is no AUC: it is undefined over one class (torchmetrics would say 0)."""
     from torchmetrics.functional.classification import binary_auroc
 
     logits, labels = logits.float().cpu(), labels.float().cpu()
-    auc = float(binary_auroc(torch.sigmoid(logits), labels.long()))
     logloss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
-    return auc, logloss
+    positives = int(labels.sum())
+    if positives in (0, labels.numel()):
+        return None, logloss, (f"undefined: all {labels.numel()} evaluation labels are "
+                               f"{'positive' if positives else 'negative'} (AUC needs both classes)")
+    return float(binary_auroc(torch.sigmoid(logits), labels.long())), logloss, None
 
 
 def peak_rss_bytes() -> int:

@@ -15,16 +15,16 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import AliasChoices, Field, PositiveInt, field_validator
 from torch import Tensor, nn
+
+from embbench.bounds import Config
 
 __all__ = ["ModelConfig", "DCNv2", "DLRM", "build_model"]
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Config):
     """The model of a scenario. The bottom MLP's last width must equal the embedding dim."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Records written before DCNv2 say ``type: dlrm``: still read, so `embbench project` reads them.
     arch: Literal["dlrm", "dcnv2"] = Field("dlrm", validation_alias=AliasChoices("arch", "type"))

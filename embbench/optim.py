@@ -11,20 +11,20 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import Tensor
+
+from embbench.bounds import Config
 
 __all__ = ["EmbeddingOptimizer", "DenseOptimizer", "aggregate_rows"]
 
 
-class EmbeddingOptimizer(BaseModel):
+class EmbeddingOptimizer(Config):
     """The sparse (embedding) optimizer of a scenario.
 
     ``rowwise_adagrad`` keeps one accumulator per row (fbgemm's default for training):
     ``acc += mean(g^2)``, ``w -= lr * g / (sqrt(acc) + eps)``.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["sgd", "rowwise_adagrad"] = "rowwise_adagrad"
     lr: float = Field(0.05, gt=0)
@@ -56,10 +56,9 @@ class EmbeddingOptimizer(BaseModel):
         weights.index_add_(0, rows, step, alpha=-1.0)
 
 
-class DenseOptimizer(BaseModel):
+class DenseOptimizer(Config):
     """The optimizer of the dense (MLP) parameters."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["sgd", "adagrad", "adam"] = "sgd"
     lr: float = Field(0.05, gt=0)

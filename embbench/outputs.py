@@ -10,10 +10,11 @@ so (``--overwrite``). A result record is never replaced by anything but ``embben
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
-__all__ = ["claim_output", "head_has"]
+__all__ = ["atomic_write", "claim_output", "head_has"]
 
 #: How much of an existing file is read to recognise it.
 _HEAD = 1 << 16
@@ -27,6 +28,31 @@ def head_has(path: Path, *marks: bytes) -> bool:
     except OSError:
         return False
     return all(mark in head for mark in marks)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Write ``path`` whole or not at all: ``write(file)`` fills a temporary file beside it,
+    which is synced (a full disk shows here) and renamed over ``path``. Made with the
+    permissions ``open`` gives (the umask's; ``mkstemp`` alone would make 0600).
+
+    Raises:
+        OSError: from ``write`` or the file system (a full disk: ``No space left on device``);
+            the temporary file is removed and an existing ``path`` is kept.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _is_record(path: Path) -> bool:

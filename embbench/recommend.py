@@ -15,6 +15,7 @@ device bytes; on the host, the static host and pinned bytes of all ranks togethe
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,21 @@ CACHE_RATIO = "cache_ratio"
 _ROOM_FACTOR = 1.5
 
 
+#: A size, whole: a number and an optional unit, nothing else (pydantic's ByteSize reads the
+#: first number of ``16,5GiB`` and ignores what follows ``64GB`` in ``64GB of RAM``).
+_SIZE = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*([kmgtpe]i?b|b)?\s*", re.IGNORECASE)
+
+
 def parse_size(text: str, flag: str = "size") -> int:
     """``16GiB``, ``512MiB``, ``1.5GB`` (powers of 1000), or a number of bytes; a ValueError
     naming ``flag`` otherwise."""
+    malformed = ValueError(f"{flag} {text!r}: expected a size such as 16GiB, 512MiB, 1.5GB or a number of bytes")
+    if not _SIZE.fullmatch(text):
+        raise malformed
     try:
         size = int(TypeAdapter(ByteSize).validate_python(text.strip()))
     except ValidationError:
-        raise ValueError(f"{flag} {text!r}: expected a size such as 16GiB, 512MiB, 1.5GB or a number of bytes") from None
+        raise malformed from None
     if size <= 0:
         raise ValueError(f"{flag} {text!r}: must be more than 0 bytes")
     return size

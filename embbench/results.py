@@ -16,8 +16,8 @@ import os
 import platform
 import re
 import socket
+import stat
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Literal
@@ -27,6 +27,8 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 from embbench import buildinfo
+from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate
+from embbench.outputs import atomic_write
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
            "load_records", "provenance", "read_record", "relevant_packages", "run_directory_lock", "scenario_differences",
@@ -36,14 +38,8 @@ SCHEMA_VERSION = 1
 #: ``skipped``: never started, the memory preflight said it would not fit (``oom``: it ran, and ran out)
 Status = Literal["ok", "unsupported", "skipped", "error", "oom", "timeout", "diverged"]
 
-# The measured figures: strict (a string or a bool is not a number) and finite.
-Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
-Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0)]
-Rate = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
-Count = Annotated[int, Field(strict=True, ge=0)]
-PositiveCount = Annotated[int, Field(strict=True, gt=0)]
-Bytes = Count
+# The measured figures (Finite, Count, ...): strict (a string or a bool is not a number) and
+# finite, the bounds a scenario's fields share (embbench.bounds).
 
 
 def _ordered_interval(ci: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -118,6 +114,7 @@ class Memory(MemoryFigures):
 class Accuracy(TypedDict):
     train_loss_last10: NotRequired[NonNegative]
     auc: NotRequired[Rate | None]
+    auc_missing: NotRequired[str]  # why auc is None (one class only: undefined)
     logloss: NotRequired[NonNegative | None]
     eval_samples: NotRequired[Count]
 
@@ -451,17 +448,24 @@ def write_record(directory: Path, slug: str, record: Record) -> Path:
         raise RecordError(f"{directory / slug}.json: not written: {schema_error(e)}") from None
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{slug}.json"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{slug}.", suffix=".tmp")
+    other = _genuine_cell(path)
+    if other is not None and other != record.cell_id:  # two cells, one name: never one over the other
+        raise RecordError(f"{path}: holds the record of cell {other}; the record of {record.cell_id} would replace "
+                          "it (two cells, one file name); not written")
+    return atomic_write(path, lambda f: f.write(text.encode()))  # with the run's other files' permissions
+
+
+def _genuine_cell(path: Path) -> str | None:
+    """The cell id of the record at ``path`` if that file is its own (named after it), else None
+    (no file, or damaged: its cell may take the name back)."""
+    from embbench.scenario import cell_slug
+
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # a full disk shows here, not after the rename
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        data = json.loads(path.read_bytes()) if path.is_file() else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    cell = data.get("cell_id") if isinstance(data, dict) else None
+    return cell if isinstance(cell, str) and f"{cell_slug(cell)}.json" == path.name else None
 
 
 #: The lock a run holds on its run directory; it names the holder's pid.
@@ -482,10 +486,16 @@ def run_directory_lock(directory: Path) -> Iterator[None]:
     """
     path = directory / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link (it would truncate a file elsewhere); O_NONBLOCK: a FIFO put there opens at once.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        raise ValueError(f"{path}: cannot create the run directory's lock: {e.strerror}") from None
+        kind = _not_regular(path)
+        raise ValueError(f"{path}: cannot create the run directory's lock: "
+                         f"{kind + '; remove it' if kind else e.strerror}") from None
     try:
+        kind = _not_regular(path, os.fstat(fd).st_mode)
+        if kind:
+            raise ValueError(f"{path}: cannot lock the run directory: {kind}; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -498,6 +508,20 @@ def run_directory_lock(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _not_regular(path: Path, mode: int | None = None) -> str | None:
+    """What ``path`` is when it is not a regular file (a symbolic link, a FIFO, ...), else None."""
+    if mode is None:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
+    return "is " + next((name for test, name in kinds.items() if test(mode)), "something else") + ", not a regular file"
 
 
 class RecordError(ValueError):
@@ -546,6 +570,11 @@ def read_record(path: Path) -> Record:
         record = Record.model_validate(data)
     except ValidationError as e:
         raise RecordError(f"{path}: {schema_error(e)}") from None
+    from embbench.scenario import cell_slug
+
+    if path.name != f"{cell_slug(record.cell_id)}.json":  # edited, or copied over another cell's file
+        raise RecordError(f"{path}: holds the record of cell {record.cell_id}, whose file is "
+                          f"{cell_slug(record.cell_id)}.json; a record belongs to its own file")
     return record
 
 

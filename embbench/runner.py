@@ -44,8 +44,9 @@ class Diverged(RuntimeError):
 
 
 class StrategyOutputError(RuntimeError):
-    """A strategy's sparse module returned something other than its pooled embeddings'
-    contract (a tensor ``[local batch, tables * dim]`` on the compute device)."""
+    """A strategy's sparse module returned something other than its contract: pooled
+    embeddings (a float32 tensor ``[local batch, tables * dim]`` on the compute device), or
+    flushed tables (one float32 ``[rows, dim]`` per table)."""
 
 
 @scoped_to_the_cell  # run.dense_precision's matmul mode (tf32) for the whole cell
@@ -68,8 +69,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     ops = _count_ops(training)
     profile = _profile(training, profile_path) if profile_path is not None else None
     accuracy = _evaluate(training, timing.losses, report)
-    weights_file = _save_weights(training, weights_path)
-    return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights_file)
+    weights = _save_weights(training, weights_path)
+    return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights)
 
 
 # --- build --------------------------------------------------------------------------------------
@@ -115,10 +116,29 @@ class _Training:
             got = str(list(out.shape))
         elif out.device.type != self.device.type:  # (cuda:1 on cuda:0 is torch's own error to raise)
             got = f"a tensor on {out.device}"
+        elif out.dtype != torch.float32:  # embeddings stay fp32 (run.dense_precision is the dense model's)
+            got = f"{out.dtype}"
         else:
             return out
-        raise StrategyOutputError(f"strategy {self.strategy_name} returned {got}; expected {expected} on "
+        raise StrategyOutputError(f"strategy {self.strategy_name} returned {got}; expected float32 {expected} on "
                                   f"{self.device} (batch, tables x dim = {len(self.tables)} x {dim})")
+
+    def flushed(self) -> list[torch.Tensor]:
+        """The sparse module's trained tables, checked against the contract (one float32 tensor
+        ``[rows, dim]`` per table, in order), so that a strategy that breaks it is named rather
+        than compared wrongly (a short list would be zipped) or failing the whole run."""
+        tables = self.sparse.flush()
+        expected = [[t.num_rows, t.dim] for t in self.tables]
+        if not isinstance(tables, (list, tuple)) or len(tables) != len(expected):
+            got = f"{len(tables)} tables" if isinstance(tables, (list, tuple)) else f"a {type(tables).__name__}"
+            raise StrategyOutputError(f"strategy {self.strategy_name}: flush() returned {got}; expected a list of "
+                                      f"{len(expected)} (one per table)")
+        for i, (t, shape) in enumerate(zip(tables, expected)):
+            if not isinstance(t, torch.Tensor) or list(t.shape) != shape or t.dtype != torch.float32:
+                got = f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else f"{t.dtype} {list(t.shape)}"
+                raise StrategyOutputError(f"strategy {self.strategy_name}: flush() returned {got} for table {i}; "
+                                          f"expected float32 {shape} (rows, dim)")
+        return list(tables)
 
     def train_step(self) -> torch.Tensor:
         """One training step, everything a strategy does included; batches are made before."""
@@ -183,7 +203,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
         tables=tables, env=env, optimizer=scenario.optimizer.embedding, local_batch_size=global_batch // env.world_size,
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
         train_batches=lambda n: (stream.fresh(i) for i in range(n)),
-        warmup_steps=run.warmup_steps, process_group=process_group,
+        warmup_steps=run.warmup_steps, process_group=process_group, train_steps=train_steps,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)
@@ -347,30 +367,38 @@ def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progres
         if env.world_size > 1:
             all_logits, all_labels = _gather(all_logits, group), _gather(all_labels, group)
         _check_finite_values({"the evaluation logits": all_logits})
-        auc, logloss = auc_logloss(all_logits, all_labels)
-        accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel())
+        auc, logloss, no_auc = auc_logloss(all_logits, all_labels)
+        accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel(), **({"auc_missing": no_auc} if no_auc else {}))
     return accuracy
 
 
-def _save_weights(training: _Training, path: Path | None) -> str | None:
+def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
     """The trained weights, flushed to full tables and saved by rank 0 (for the baseline
-    comparison); the file's name, or None when not asked."""
+    comparison): the record's ``weights_file`` (None when not asked), and where the file
+    cannot be written (a full disk), ``weights_not_compared`` saying why: it costs the
+    comparison, never the measurement."""
     if path is None:
-        return None
-    flushed = training.sparse.flush()
+        return {"weights_file": None}
+    flushed = training.flushed()
     _check_finite_values({f"the trained weights of table {i}": t for i, t in enumerate(flushed)})
     if training.env.rank != 0:
-        return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(flushed, path)
-    return path.name
+        return {"weights_file": None}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:  # through a file object, a full disk is an OSError saying so
+            torch.save(flushed, f)
+    except OSError as e:
+        if path.is_file():
+            path.unlink()  # no half file for a later comparison to read
+        return {"weights_file": None, "weights_not_compared": f"cannot save the flushed weights to {path}: {e.strerror}"}
+    return {"weights_file": path.name}
 
 
 # --- record -------------------------------------------------------------------------------------
 
 
 def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rate: float, ops: OpCounter,
-            profile: dict[str, Any] | None, accuracy: dict[str, Any], weights_file: str | None) -> dict[str, Any]:
+            profile: dict[str, Any] | None, accuracy: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
     """The cell's measurements: this rank's, combined with the other ranks' where they differ."""
     run, env, device, sparse = training.run, training.env, training.device, training.sparse
     footprint = sparse.memory()
@@ -433,7 +461,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         },
         "extra": _combine_extra([r["extra"] for r in ranks]),
         "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
-        "weights_file": weights_file,
+        **weights,
     }
 
 
@@ -525,7 +553,9 @@ def _classify(exc: BaseException) -> str:
         return "unsupported"
     if isinstance(exc, Diverged):
         return "diverged"
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower():
+    # CUDA's OOM, Python's, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(
+            words in str(exc).lower() for words in ("out of memory", "can't allocate memory")):
         return "oom"
     return "error"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import stat
 import typing
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from embbench.bounds import Config, PositiveCount, Seed
 from embbench.data.criteo import NUM_TABLES
 from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.model import ModelConfig
@@ -27,15 +29,15 @@ from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.precision import DENSE_PRECISIONS, DensePrecision
 from embbench.strategy import Strategy, get_strategy
 
-__all__ = ["Cell", "Scenario", "cell_slug", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text"]
+__all__ = ["Cell", "Scenario", "cell_slug", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text",
+           "read_yaml", "validate_config"]
 
 
 class ScenarioError(ValueError):
     """A scenario that cannot run; the message names the file and the key."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = Config  # unknown keys, infinities and booleans for numbers refused (embbench.bounds)
 
 
 class DriftConfig(_Strict):
@@ -144,7 +146,7 @@ PROFILE_STEPS = 3
 
 
 class RunConfig(_Strict):
-    world_size: int | list[int] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
+    world_size: PositiveCount | list[PositiveCount] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     warmup_steps: int = Field(5, ge=0, description="warm-up steps (the least, when warmup_max_steps is set)")
     warmup_max_steps: int | None = Field(
@@ -153,7 +155,7 @@ class RunConfig(_Strict):
     steps: int = Field(20, gt=0, description="measured steps per repeat")
     repeats: int = Field(3, ge=1)
     eval_batches: int = Field(4, ge=0)
-    seed: int = 0
+    seed: Seed = 0
     time_limit_s: float = Field(600, gt=0, description="per cell, build to evaluation")
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
@@ -171,11 +173,11 @@ class RunConfig(_Strict):
             raise ValueError(f"{value!r} is not one of {', '.join(DENSE_PRECISIONS)}")
         return value
 
-    @field_validator("world_size")
+    @field_validator("world_size", mode="before")  # before the type check: one message, not one per type
     @classmethod
-    def _at_least_one_rank(cls, value: int | list[int]) -> int | list[int]:
+    def _at_least_one_rank(cls, value: Any) -> Any:
         sizes = value if isinstance(value, list) else [value]
-        if not sizes or any(w < 1 for w in sizes):
+        if not sizes or any(isinstance(w, int) and not isinstance(w, bool) and w < 1 for w in sizes):
             raise ValueError(f"must be at least 1 (or a non-empty list of such), got {value}")
         return value
 
@@ -251,9 +253,26 @@ class Scenario(_Strict):
         return bool(self.run.compare_weights)
 
 
+#: A cell id whose file name is the id itself, its brackets as ``_`` (as every release wrote it).
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]+(\[[A-Za-z0-9_.=,-]*\])?@w[0-9]+")
+#: Longest file name a slug makes (most file systems allow 255 bytes; ``.rank0.log`` and the
+#: temporary file's affixes go around it).
+_MAX_SLUG = 200
+
+
 def cell_slug(cell_id: str) -> str:
-    """A cell id as a file name (its record is ``<slug>.json``)."""
-    return "".join(c if c.isalnum() or c in "-_.=@," else "_" for c in cell_id)
+    """A cell id as a file name (its record is ``<slug>.json``), one per id.
+
+    A plain id (letters, digits and ``_.-=,`` in its name and parameters) keeps the name runs
+    have always had: the id with its brackets as ``_``. Any other id (a space, a slash, a
+    non-ASCII letter in a parameter) is shortened to those characters and gets ``~`` and a
+    hash of the whole id, so ids that differ only in what the name drops get two files (no
+    plain slug holds a ``~``). Two ids that still meet in one name are refused
+    (:func:`parse_scenario`, :func:`embbench.results.write_record`)."""
+    shown = "".join(c if c.isascii() and (c.isalnum() or c in "-_.=@,") else "_" for c in cell_id)
+    if _PLAIN_ID.fullmatch(cell_id) and len(shown) <= _MAX_SLUG:
+        return shown
+    return f"{shown[:_MAX_SLUG - 13]}~{hashlib.sha256(cell_id.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -290,7 +309,8 @@ def _loc(loc: tuple) -> str:
 
 
 # The member of a union pydantic tried, which it puts in an error's path ("data.alpha.float").
-_UNION_TAGS = ("int", "float", "str", "bool", "list[int]", "list[float]", "literal['auto']")
+_UNION_TAGS = ("int", "float", "str", "bool", "list[int]", "list[float]", "literal['auto']", "constrained-int",
+               "list[constrained-int]")
 
 
 def _format(errors: list[dict], file: str, prefix: str = "") -> str:
@@ -298,7 +318,7 @@ def _format(errors: list[dict], file: str, prefix: str = "") -> str:
     for e in errors:
         key = _loc(tuple(p for p in e["loc"] if p not in _UNION_TAGS))
         if e["type"] == "scenario_key":
-            key = f"{key}.{e['ctx']['key']}"
+            key = f"{key}.{e['ctx']['key']}" if key else e["ctx"]["key"]
         key = f"{prefix}.{key}" if prefix and key else (prefix or key)
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         lines.append(f"{file}: {key}: {msg}" if key else f"{file}: {msg}")
@@ -335,12 +355,7 @@ def _expand(entry: StrategyEntry, index: int, file: str) -> list[dict[str, Any]]
 
 def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[Cell]]:
     """Validate a scenario mapping and expand it into cells (the baseline's first)."""
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{file}: a scenario is a mapping of keys, got {type(raw).__name__}")
-    try:
-        scenario = Scenario.model_validate(raw)
-    except ValidationError as e:
-        raise ScenarioError(_format(e.errors(), file)) from None
+    scenario = validate_config(Scenario, raw, file, "scenario")
     if scenario.model.bottom_mlp[-1] != scenario.data.embedding_dim:
         # DLRM takes dot products of the bottom MLP's output with every pooled embedding; DCNv2
         # crosses them as equal-width parts of one vector (as MLPerf's does).
@@ -359,6 +374,12 @@ def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[C
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise ScenarioError(f"{file}: strategies: the same cell appears twice: {', '.join(duplicates)}")
+    slugs: dict[str, str] = {}
+    for cell in cells:
+        other = slugs.setdefault(cell.slug, cell.id)
+        if other != cell.id:
+            raise ScenarioError(f"{file}: strategies: cells {other} and {cell.id} would share the record file "
+                                f"{cell.slug}.json; rename a strategy or a parameter value")
     return scenario, cells
 
 
@@ -415,6 +436,32 @@ def read_scenario_text(path: Path) -> str:
         raise ScenarioError(f"{path}: line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
 
 
+def read_yaml(path: Path) -> Any:
+    """A scenario-like YAML file, parsed (:func:`read_scenario_text`; a key given twice refused).
+
+    Raises:
+        ScenarioError: naming the file, and the line of invalid YAML.
+    """
+    text = read_scenario_text(path)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ScenarioError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
+
+
+def validate_config(model: type[Config], raw: Any, file: str, what: str) -> Any:
+    """``raw`` as ``model``, or a :class:`ScenarioError` naming the file and each key (``what``: a
+    scenario, a sweep)."""
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{file}: a {what} is a mapping of keys, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise ScenarioError(_format(e.errors(), file)) from None
+
+
 def load_scenario(
     path: str | Path,
     steps: int | None = None,
@@ -423,13 +470,7 @@ def load_scenario(
 ) -> tuple[Scenario, list[Cell]]:
     """Read, override (command-line flags), validate and expand a scenario file."""
     path = Path(path)
-    text = read_scenario_text(path)
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ScenarioError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
+    raw = read_yaml(path)
     if isinstance(raw, dict):
         # Overrides go into the sections; a section that is not a mapping fails validation, named.
         if steps is not None and isinstance(raw.setdefault("run", {}), dict):

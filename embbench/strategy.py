@@ -13,22 +13,24 @@ third party's would::
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar, Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from embbench.bounds import Config
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.optim import EmbeddingOptimizer
 
 __all__ = [
     "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
-    "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "broken_strategies", "get_strategy",
+    "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "broken_strategies", "estimate_kwargs",
+    "get_strategy",
     "load_strategies", "strategy_version",
 ]
 
@@ -66,10 +68,9 @@ class Unsupported(Exception):
     """Raised by a strategy that cannot run in this environment; the message says why."""
 
 
-class StrategyParams(BaseModel):
-    """Base class of a strategy's parameters: typed, defaulted, validated, no unknown keys."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class StrategyParams(Config):
+    """Base class of a strategy's parameters: typed, defaulted, validated, no unknown keys, no
+    infinity, no boolean for a number (:class:`embbench.bounds.Config`)."""
 
 
 class NoParams(StrategyParams):
@@ -116,6 +117,8 @@ class BuildContext:
             (this rank's share) for frequency statistics; evaluation data is never offered.
         warmup_steps: training steps the harness runs before it measures.
         process_group: the torch.distributed group of the ranks, or None for one process.
+        train_steps: training batches the run hands the module in all: no look-ahead reaches
+            further (None: not told).
     """
 
     tables: list[TableSpec]
@@ -126,6 +129,7 @@ class BuildContext:
     train_batches: Callable[[int], Iterator[Batch]]
     warmup_steps: int = 0
     process_group: Any = None
+    train_steps: int | None = None
 
 
 @dataclass
@@ -237,7 +241,12 @@ class Strategy(abc.ABC):
         return None
 
     def estimate_memory(self, tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> MemoryFootprint | None:
-        """Static bytes per rank before anything is built (for ``--dry-run``), if known."""
+        """Static bytes per rank before anything is built (for ``--dry-run``), if known.
+
+        An override may also declare the keyword arguments ``local_batch_size`` (samples per
+        step on a rank) and ``train_steps`` (the training batches the run hands the module, so
+        the most :meth:`SparseModule.look_ahead` ever sees); the preflight passes those it
+        declares (:func:`estimate_kwargs`)."""
         return None
 
     def schedule(self, ctx: ScheduleContext) -> Schedule | None:
@@ -247,6 +256,12 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def build(self, ctx: BuildContext) -> SparseModule: ...
+
+
+def estimate_kwargs(strategy: Strategy, **run: int) -> dict[str, int]:
+    """Of ``run`` (``local_batch_size``, ``train_steps``), what ``strategy.estimate_memory`` declares."""
+    accepted = inspect.signature(strategy.estimate_memory).parameters
+    return {key: value for key, value in run.items() if key in accepted}
 
 
 def _validate(name: str, cls: object, source: str) -> type[Strategy]:

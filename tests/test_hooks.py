@@ -245,7 +245,7 @@ def test_non_finite_outputs_or_weights_after_a_finite_loss_are_recorded_as_diver
                                            ("elsewhere", "a tensor on meta")])
 def test_a_strategy_output_off_the_contract_is_named(hook_plugins, strategy, got):
     scenario, _ = parse_scenario(tiny_scenario(), "t")
-    expected = f"strategy {strategy} returned {got}; expected [64, 208] on cpu (batch, tables x dim = 26 x 8)"
+    expected = f"strategy {strategy} returned {got}; expected float32 [64, 208] on cpu (batch, tables x dim = 26 x 8)"
     with pytest.raises(StrategyOutputError) as caught:
         run_cell(scenario, Cell(strategy), CPU)
     assert str(caught.value) == expected
@@ -257,7 +257,7 @@ def test_a_wrong_shape_is_the_cells_error_and_the_other_cells_run(hook_plugins, 
     records = {r.strategy: r for r in run_cells(scenario, "t", cells, tmp_path)}
     assert records["device"].status == "ok" and records["cpu"].status == "ok"
     assert records["bad_shape"].status == "error"
-    assert "strategy bad_shape returned [64, 3]; expected [64, 208]" in records["bad_shape"].message
+    assert "strategy bad_shape returned [64, 3]; expected float32 [64, 208]" in records["bad_shape"].message
 
 
 def test_warm_up_runs_until_the_miss_rate_stops_falling():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from embbench.launch import run_cells
+from embbench.launch import run_cells, run_isolated
 from embbench.results import load_records, write_record
 from embbench.scenario import parse_scenario
 from tests.conftest import tiny_scenario
@@ -13,16 +13,21 @@ from tests.record_factory import make_record
 
 def test_a_failing_and_a_hanging_cell_are_recorded_and_the_next_cell_runs(tmp_path, plugin_path):
     raw = tiny_scenario(
-        run={"time_limit_s": 20},
+        run={"time_limit_s": 600},  # no healthy cell comes near it, however slow the machine
         strategies=[{"name": "device"}, {"name": "raises"}, {"name": "sleeps"}, {"name": "cpu"}],
     )
     scenario, cells = parse_scenario(raw, "faulty.yaml")
-    records = run_cells(scenario, "faulty.yaml", cells, tmp_path)
+
+    def execute(cell, weights):  # a short limit for the cell that can never finish, and for it alone
+        limit = 3 if cell.strategy == "sleeps" else None
+        return run_isolated(scenario, "faulty.yaml", cell, tmp_path / "logs", weights, time_limit_s=limit)
+
+    records = run_cells(scenario, "faulty.yaml", cells, tmp_path, execute=execute)
     status = {r.strategy: r for r in records}
     assert status["device"].status == "ok" and status["cpu"].status == "ok"
     assert status["raises"].status == "error"
     assert "RuntimeError: boom from the faulty plugin" in status["raises"].message
-    assert status["sleeps"].status == "timeout" and "20 s" in status["sleeps"].message
+    assert status["sleeps"].status == "timeout" and "3 s" in status["sleeps"].message
     on_disk = {r.cell_id: r.status for r in load_records(tmp_path)}
     assert on_disk == {"device@w1": "ok", "raises@w1": "error", "sleeps@w1": "timeout", "cpu@w1": "ok"}
     assert status["cpu"].metrics["max_weight_diff_vs_baseline"] < 1e-5
@@ -40,7 +45,7 @@ def test_resume_skips_finished_cells(tmp_path):
 
 def test_a_record_round_trips_through_json(tmp_path):
     record = make_record("x", {"a": 0.5}, baseline="x", provenance={"git": None})
-    path = write_record(tmp_path, "x", record)
+    path = write_record(tmp_path, "x_a=0.5_@w1", record)
     assert load_records(path) == [record]
     assert json.loads(path.read_text())["schema_version"] == 1
 

@@ -61,7 +61,7 @@ def test_four_ranks_end_to_end(tmp_path):
 
 
 def test_a_rank_that_raises_fails_its_cell_and_the_next_cell_runs(tmp_path, rank_plugin):
-    raw = tiny_scenario(run={"world_size": 2, "time_limit_s": 60},
+    raw = tiny_scenario(run={"world_size": 2, "time_limit_s": 600},
                         strategies=[{"name": "rank1_raises"}, {"name": "cpu"}], baseline="cpu")
     scenario, cells = parse_scenario(raw, "ranks.yaml")
     records = {r.strategy: r for r in run_cells(scenario, "ranks.yaml", cells, tmp_path)}

@@ -171,7 +171,7 @@ def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys,
             assert code == 1 and _words(f"{cell_id}: its record is damaged ({rejected})") in _words(out)
         else:
             assert code in (0, 1, 3) and "Traceback" not in err  # 3: the real records' noise is wider than 5%
-            assert code == 0 or f"{cell_id}: " in out
+            assert code == 0 or (code == 1 and f"{cell_id}: " in out) or (code == 3 and "cannot judge at 5%" in out)
 
 
 def test_a_nan_throughput_is_named_and_never_ranked(tmp_path, capsys):
@@ -214,8 +214,8 @@ def test_the_gate_fails_on_a_damaged_candidate_cell_naming_it(tmp_path, capsys, 
 def test_a_record_that_would_not_validate_is_never_written(tmp_path):
     record = make_record("device")
     record.metrics["throughput"]["mean"] = math.inf  # added to after it was made
-    with pytest.raises(RecordError, match=r"device\.json: not written: metrics\.throughput\.mean: inf is not a finite"):
-        write_record(tmp_path, "device", record)
+    with pytest.raises(RecordError, match=r"device@w1\.json: not written: metrics\.throughput\.mean: inf is not a finite"):
+        write_record(tmp_path, "device@w1", record)
     assert not list(tmp_path.iterdir())
 
 
@@ -283,21 +283,19 @@ def _two_scenarios(tmp_path: Path) -> Path:
         r = make_record(strategy, step_times=[seconds] * 12, digest=f"{steps}" * 64)
         r.scenario["config"] = {"name": "smoke", "run": {"steps": steps}}
         return r
-    run = write_run(tmp_path / "mixed", [record("device", 0.010, 5), record("cpu", 0.020, 5)])
-    write_record(run, "other-device", record("device", 0.005, 7))
-    write_record(run, "other-cpu", record("cpu", 0.020, 7))
-    return run
+    return [write_run(tmp_path / "five", [record("device", 0.010, 5), record("cpu", 0.020, 5)]),
+            write_run(tmp_path / "seven", [record("device", 0.005, 7), record("cpu", 0.020, 7)])]
 
 
 def test_show_puts_each_scenario_in_a_table_of_its_own_with_speedups_within_it(tmp_path, capsys):
-    run = _two_scenarios(tmp_path)
-    code, out, err = _cli(capsys, "show", run)
-    out = _words(out)  # a long title wraps
+    five, seven = _two_scenarios(tmp_path)
+    code, out, err = _cli(capsys, "show", five, seven)
+    out, run = _words(out), f"{five} {seven}"  # a long title wraps
     assert code == 0 and err == "" and f"{run}: records of 2 scenarios: one table each, no speedup across them" in out
     assert f"{run}: scenario smoke 5555555555" in out
     assert f"{run}: scenario smoke 7777777777 (against 5555555555: run.steps: 5 vs 7)" in out
     assert out.count("0.50x") == 1 and "0.25x" in out  # cpu against the device of its own scenario only
-    code, out, _ = _cli(capsys, "show", run, "--json")
+    code, out, _ = _cli(capsys, "show", five, seven, "--json")
     speedups = {(r["scenario_digest"][0], r["cell_id"]): r["speedup"] for r in json.loads(out)}
     assert speedups == {("5", "device@w1"): 1.0, ("5", "cpu@w1"): 0.5, ("7", "device@w1"): 1.0, ("7", "cpu@w1"): 0.25}
 
@@ -305,19 +303,22 @@ def test_show_puts_each_scenario_in_a_table_of_its_own_with_speedups_within_it(t
 @pytest.mark.parametrize("command", [["recommend", "RUN", "--device-memory", "80GiB"], ["compare", "RUN", "OTHER"],
                                      ["compare", "OTHER", "RUN"], ["report", "RUN", "--out", "OUT"]])
 def test_commands_that_rank_or_compare_refuse_a_directory_of_two_scenarios(tmp_path, capsys, command):
-    run = _two_scenarios(tmp_path)
+    five, seven = _two_scenarios(tmp_path)
+    run = five
+    shutil.copy(seven / "device@w1.json", run / "device@w1.json")  # one cell of another scenario among them
     other = write_run(tmp_path / "other", [make_record("device")])
     argv = [{"RUN": run, "OTHER": other, "OUT": tmp_path / "r.html"}.get(a, a) for a in command]
     code, _, err = _cli(capsys, *argv)
-    assert code == 2 and err.startswith(f"error: {run}: holds records of 2 scenarios (5555555555 (2 cells), "
-                                        "7777777777 (2 cells); run.steps: 5 vs 7)")
+    assert code == 2 and err.startswith(f"error: {run}: holds records of 2 scenarios (5555555555 (1 cells), "
+                                        "7777777777 (1 cells); run.steps: 5 vs 7)")
     assert not (tmp_path / "r.html").exists()
 
 
 def test_the_same_cell_given_twice_is_listed_once(tmp_path, capsys):
     run = write_run(tmp_path / "run", [make_record("device"), make_record("cpu", step_times=[0.02] * 12)])
-    shutil.copy(run / "cpu@w1.json", run / "cpu@w1 (copy).json")
-    for argv in (["show", run], ["show", run, run], ["show", run, run / "cpu@w1.json"]):
+    (tmp_path / "copy").mkdir()
+    shutil.copy(run / "cpu@w1.json", tmp_path / "copy" / "cpu@w1.json")
+    for argv in (["show", run, tmp_path / "copy"], ["show", run, run], ["show", run, run / "cpu@w1.json"]):
         code, out, err = _cli(capsys, *argv)
         assert code == 0 and err == "" and out.count("│ cpu@w1 ") == 1, out
     code, out, _ = _cli(capsys, "show", run, run, "--json")
@@ -326,8 +327,17 @@ def test_the_same_cell_given_twice_is_listed_once(tmp_path, capsys):
 
 def test_a_differing_copy_of_a_cell_is_named_and_left_out(tmp_path, capsys):
     run = write_run(tmp_path / "run", [make_record("device"), make_record("cpu", step_times=[0.02] * 12)])
-    write_record(run, "zz-cpu", make_record("cpu", step_times=[0.03] * 12))
+    other = write_run(tmp_path / "zz", [make_record("cpu", step_times=[0.03] * 12)])
+    code, out, err = _cli(capsys, "show", run, other)
+    assert code == 0 and out.count("│ cpu@w1 ") == 1
+    assert err == (f"warning: {other / 'cpu@w1.json'}: holds cpu@w1 of the same scenario as {run / 'cpu@w1.json'} and "
+                   "differs from it; left out (compare them with `embbench compare`); skipped\n")
+
+
+def test_a_record_under_another_cells_file_name_is_damaged_naming_both(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [make_record("device"), make_record("cpu", step_times=[0.02] * 12)])
+    shutil.copy(run / "cpu@w1.json", run / "cpu@w1 (copy).json")
     code, out, err = _cli(capsys, "show", run)
     assert code == 0 and out.count("│ cpu@w1 ") == 1
-    assert err == (f"warning: {run / 'zz-cpu.json'}: holds cpu@w1 of the same scenario as {run / 'cpu@w1.json'} and "
-                   "differs from it; left out (compare them with `embbench compare`); skipped\n")
+    assert err == (f"warning: {run / 'cpu@w1 (copy).json'}: holds the record of cell cpu@w1, whose file is cpu@w1.json; "
+                   "a record belongs to its own file; skipped\n")

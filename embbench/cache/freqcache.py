@@ -29,7 +29,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.cache.device_planner import COUNTERS, DevicePlan, DevicePlanner, StepKind, window_size
+from embbench.cache.device_planner import AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind, window_size
 from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
@@ -94,12 +94,18 @@ class CapturedStep:
 
 
 def cache_window(profiled_distinct: list[int], num_rows: int, capacity: int, max_ids: int, row_bytes: int,
-                 lookahead: int | str) -> tuple[int, int]:
+                 lookahead: int | str, train_steps: int | None = None) -> tuple[int, int]:
     """freqcache's look-ahead and window room per batch (:func:`window_size`): ``auto`` keeps the
-    window within ``_WINDOW_SHARE`` of the slot tensors' bytes."""
-    slot_tensor_bytes = (DevicePlanner.slots_for(num_rows, capacity, max_ids) + 1) * row_bytes
-    return window_size(profiled_distinct, capacity, max_ids, None if lookahead == "auto" else lookahead,
-                       max_pairs=int(_WINDOW_SHARE * slot_tensor_bytes) // 8)
+    window within ``_WINDOW_SHARE`` of the slot tensors' bytes; either never looks further than
+    the ``train_steps`` batches the run hands it (a window beyond them would be memory for nothing)."""
+    ahead, rows = window_size(profiled_distinct, capacity, max_ids, None if lookahead == "auto" else lookahead,
+                              max_pairs=_auto_window_pairs(num_rows, capacity, max_ids, row_bytes))
+    return (ahead if train_steps is None else min(ahead, train_steps)), rows
+
+
+def _auto_window_pairs(num_rows: int, capacity: int, max_ids: int, row_bytes: int) -> int:
+    """The (row, batch) pairs an automatic look-ahead's window may hold: ``_WINDOW_SHARE`` of the slot tensors' bytes."""
+    return int(_WINDOW_SHARE * (DevicePlanner.slots_for(num_rows, capacity, max_ids) + 1) * row_bytes) // 8
 
 
 @dataclass
@@ -140,7 +146,7 @@ class FreqCache(SparseModule):
         # sizes the window and preloads the most frequent rows.
         profiled = [self.space.global_rows(batch.sparse.to(self.device)) for batch in ctx.train_batches(params.profile_batches)]
         lookahead, window_rows = cache_window([len(rows.unique()) for rows in profiled], n, self.capacity,
-                                              self.max_ids, self.row_bytes, params.lookahead)
+                                              self.max_ids, self.row_bytes, params.lookahead, ctx.train_steps)
         self.lookahead = lookahead if params.prefetch else 0
         self.planner = DevicePlanner(n, self.capacity, self.max_ids, self.lookahead, self.device, params.admission,
                                      learn=params.policy == "lfu", decay_every=params.decay_every,
@@ -434,14 +440,25 @@ class FreqCacheStrategy(Strategy):
     summary = "frequency-aware software cache: host tables, the hottest rows (and their optimizer state) on the device"
     Params = FreqCacheParams
 
-    def estimate_memory(self, tables, optimizer, world_size):
+    def estimate_memory(self, tables, optimizer, world_size, local_batch_size=None, train_steps=None):
         n = sum(t.num_rows for t in tables)
         row_bytes = (tables[0].dim + optimizer.state_width) * 4
         n = n // world_size  # per rank, roughly: placement is by table
         cached = max(1, math.ceil(self.params.cache_ratio * n))
-        # Cached rows and their slot metadata; the staged slots and the look-ahead window grow
-        # with the batch, which this estimate is not told (see DevicePlanner.nbytes).
-        return MemoryFootprint(device_bytes=cached * (row_bytes + DevicePlanner.SLOT_BYTES), host_bytes=(n + 1) * row_bytes)
+        device = cached * (row_bytes + DevicePlanner.SLOT_BYTES)
+        if local_batch_size is not None:
+            # The slots staging two batches, and the look-ahead window at its largest: a batch's
+            # ids (8 bytes a pair) for each batch ahead (see DevicePlanner.nbytes).
+            max_ids = local_batch_size * sum(t.bag_size for t in tables)
+            device += 2 * min(max_ids, n) * (row_bytes + DevicePlanner.SLOT_BYTES)
+            ahead, rows = cache_window([], n, cached, max_ids, row_bytes, self.params.lookahead, train_steps)
+            pairs = (ahead + 1) * rows
+            if self.params.lookahead == "auto":  # a profile of fewer distinct rows a batch looks further
+                longest = min(AUTO_LOOKAHEAD[1], train_steps if train_steps is not None else AUTO_LOOKAHEAD[1])
+                pairs = min(max(_auto_window_pairs(n, cached, max_ids, row_bytes), (AUTO_LOOKAHEAD[0] + 1) * max_ids),
+                            (longest + 1) * max_ids)
+            device += pairs * 8 if self.params.prefetch else 0
+        return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         if ctx.env.world_size == 1:

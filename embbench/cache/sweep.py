@@ -25,53 +25,63 @@ from typing import Annotated, Callable, Literal
 
 import numpy as np
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
+from embbench.bounds import Config, Seed
 from embbench.cache.device_planner import DevicePlanner, window_size
 from embbench.cache.policy import SlotPlanner
 from embbench.data import Stream, SyntheticCriteo, TableSpec
 from embbench.metrics import belady_hit_rates
 from embbench.outputs import claim_output, head_has
+from embbench.scenario import ScenarioError, read_yaml, validate_config
 
 __all__ = ["Sweep", "Workload", "run_sweep", "simulate"]
 
 
-class Sweep(BaseModel):
-    """A sweep file: lists are crossed into workloads; the rest applies to all of them."""
+# The bounds of a workload's values, for a sweep's lists and a workload alike (finite, no
+# boolean for a number: embbench.bounds.Config).
+Alpha = Annotated[float, Field(ge=0)]
+Rows = Annotated[int, Field(gt=0)]
+CacheRatio = Annotated[float, Field(gt=0, le=1)]
+BatchIds = Annotated[int, Field(gt=0)]
+Admission = Literal["all", "tinylfu"]
+Lookahead = Annotated[int, Field(ge=0)] | Literal["auto"]
+Planner = Literal["device", "host"]
+DriftEvery = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class Sweep(Config):
+    """A sweep file: lists are crossed into workloads; the rest applies to all of them."""
 
     name: str
     description: str = ""
-    alpha: list[float] = Field(min_length=1)
-    rows: list[int] = Field(min_length=1)
-    cache_ratio: list[float] = Field(min_length=1)
-    batch_ids: list[int] = Field(min_length=1)
-    admission: list[Literal["all", "tinylfu"]] = ["tinylfu"]
-    lookahead: list[Annotated[int, Field(ge=0)] | Literal["auto"]] = ["auto"]
-    planner: list[Literal["device", "host"]] = ["device"]
-    drift_every: list[int] = Field([0], description="the hot ids change every this many batches (0: never)")
-    drift_fraction: float = Field(0.2, ge=0, le=1, description="the share of hot ids remapped at each change")
+    alpha: list[Alpha] = Field(min_length=1)
+    rows: list[Rows] = Field(min_length=1)
+    cache_ratio: list[CacheRatio] = Field(min_length=1)
+    batch_ids: list[BatchIds] = Field(min_length=1)
+    admission: list[Admission] = Field(["tinylfu"], min_length=1)
+    lookahead: list[Lookahead] = Field(["auto"], min_length=1)
+    planner: list[Planner] = Field(["device"], min_length=1)
+    drift_every: list[DriftEvery] = Field([0], min_length=1, description="the hot ids change every this many batches (0: never)")
+    drift_fraction: Fraction = Field(0.2, description="the share of hot ids remapped at each change")
     decay_every: int = Field(256, ge=0)
     profile_batches: int = Field(32, ge=0)
     warmup_steps: int = Field(16, ge=0)
     steps: int = Field(64, gt=0)
-    seed: int = 0
+    seed: Seed = 0
 
 
-class Workload(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    alpha: float
-    rows: int = Field(gt=0)
-    cache_ratio: float = Field(gt=0, le=1)
-    batch_ids: int = Field(gt=0)
-    admission: Literal["all", "tinylfu"] = "tinylfu"
-    lookahead: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
-    planner: Literal["device", "host"] = "device"
-    drift_every: int = Field(0, ge=0)
-    drift_fraction: float = Field(0.0, ge=0, le=1)
+class Workload(Config):
+    alpha: Alpha
+    rows: Rows
+    cache_ratio: CacheRatio
+    batch_ids: BatchIds
+    admission: Admission = "tinylfu"
+    lookahead: Lookahead = "auto"
+    planner: Planner = "device"
+    drift_every: DriftEvery = 0
+    drift_fraction: Fraction = 0.0
 
 
 def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
@@ -93,6 +103,7 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
     # The window as freqcache sizes it from the same profile (no cap on its bytes here).
     lookahead, window_rows = window_size([len(np.unique(b)) for b in batches], capacity, w.batch_ids,
                                          None if w.lookahead == "auto" else w.lookahead)
+    lookahead = min(lookahead, total - first)  # the planned batches: a window beyond them is memory for nothing
     batches += [batch_rows(i) for i in range(first, total + lookahead)]
     if w.planner == "device":
         c = _drive_device(w, batches, capacity, lookahead, window_rows, first, total, warmup_steps, decay_every)
@@ -186,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    try:
-        sweep = Sweep(**yaml.safe_load(args.sweep.read_text()))
-    except (ValidationError, TypeError, yaml.YAMLError) as exc:
-        print(f"{args.sweep}: {exc}", file=sys.stderr)
+    try:  # read and checked as `embbench run` reads a scenario, with the same messages
+        sweep = validate_config(Sweep, read_yaml(args.sweep), str(args.sweep), "sweep")
+    except ScenarioError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     results = []
     print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} {'plan':>6} {'drift':>5} | "

@@ -398,6 +398,11 @@ def _atomic_dir(final: Path, fill: Callable[[Path], None]) -> None:
                 raise
             shutil.rmtree(tmp)
         _fsync(final.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename is None:  # a write's error (a full disk) names no file: name the entry
+            raise OSError(e.errno, f"cannot build the data cache entry: {e.strerror}", str(final)) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -30,6 +30,7 @@ import torch
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
 from embbench.data.synthetic import Stream, _hash_effect, _mix
+from embbench.outputs import atomic_write
 
 __all__ = ["TRACE_FORMAT", "Trace", "TraceError", "TraceSource", "bags_in_order", "is_trace", "record_trace"]
 
@@ -86,9 +87,10 @@ def record_trace(source, num_rows: list[int], batch_size: int, train_batches: in
             arrays[f"{name}_dense"] = np.concatenate(dense)
         written[name] = count * batch_size
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(out)
+    try:
+        atomic_write(out, lambda f: np.savez(f, **arrays))  # a full disk leaves no half trace
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write the trace: {e.strerror}", str(out)) from None
     return written
 
 
