@@ -299,6 +299,12 @@ class DevicePlanner:
         ids.index_add_(0, group, (ordered < self.pad_row).long())
         return unique, ids[:m], order, group
 
+    def _mark_planned(self, slots: Tensor) -> None:
+        """``slot_plan[slots] = this plan's number``, read on the device: ``index_fill_`` with a
+        tensor value would read it on the host (``.item()``: a sync on CUDA, an error in graph
+        capture; see :mod:`embbench.host_reads`)."""
+        self.slot_plan.index_copy_(0, slots, self._pid.to(self.slot_plan.dtype).expand(len(slots)))
+
     def _bonus(self, next_use: Tensor) -> Tensor:
         """Belady's order inside the window: the nearer a row's next use, the larger its bonus;
         none where the window does not use it."""
@@ -401,7 +407,7 @@ class DevicePlanner:
         valid = unique < self.pad_row
         slot = self._lookup(unique)
         cached = self.slot_cached[slot]  # the sink is never cached
-        self.slot_plan.index_fill_(0, slot, self._pid)  # kept for this batch from here on
+        self._mark_planned(slot)  # kept for this batch from here on
 
         outside = valid & ~cached
         if train:
@@ -474,7 +480,7 @@ class DevicePlanner:
         self.slot_row.index_copy_(0, dest, cand_row.to(self.slot_row.dtype))
         self.slot_cached.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), admitted)
         self.slot_dirty.index_fill_(0, dest, False)
-        self.slot_plan.index_fill_(0, dest, self._pid)
+        self._mark_planned(dest)
         cand_freq = freq[rank].to(torch.int32)
         self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
         batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]
