@@ -354,7 +354,8 @@ class UvmStrategy(Strategy):
         return _needs_cuda(env)
 
     def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
+        managed = math.ceil(_bytes(tables, optimizer) / world_size)  # fbgemm's EmbeddingLocation.MANAGED
+        return MemoryFootprint(host_bytes=managed, managed_bytes=managed)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         return TorchrecTables(ctx, kernel="fused_uvm", sharding="table_wise")
@@ -381,8 +382,8 @@ class UvmCacheStrategy(Strategy):
     def estimate_memory(self, tables, optimizer, world_size):
         # fbgemm's cache holds weights only; optimizer state stays in unified memory
         cached = fbgemm_cache_rows(self.params.cache_ratio, sum(t.num_rows for t in tables))
-        return MemoryFootprint(device_bytes=cached * tables[0].dim * 4,
-                               host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
+        managed = math.ceil(_bytes(tables, optimizer) / world_size)  # EmbeddingLocation.MANAGED_CACHING
+        return MemoryFootprint(device_bytes=cached * tables[0].dim * 4, host_bytes=managed, managed_bytes=managed)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         from baselines._fbgemm import CacheAlgorithm, CacheParams

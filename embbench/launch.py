@@ -409,9 +409,11 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     Checked against what is free now, before any rank pins host memory or allocates managed
     memory (so that a placement that cannot fit is refused, not left to thrash or wake the
     OOM killer): the host holds every rank's host and pinned bytes (and, on a CPU device, its
-    device bytes too), against :func:`_free_host_bytes`; each rank's GPU holds its device
-    bytes, against that GPU's free memory. A strategy's ``estimate_memory`` that raises is a
-    broken plugin: it raises ``RuntimeError`` naming the strategy.
+    device bytes too), against :func:`_free_host_bytes` (pinned pages cannot be swapped out);
+    each rank's GPU holds its device bytes, and its device and managed bytes together, against
+    that GPU's free memory: managed memory oversubscribing the GPU can hang it. A strategy's
+    ``estimate_memory`` that raises is a broken plugin: it raises ``RuntimeError`` naming the
+    strategy.
     """
     try:
         est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size)
@@ -423,7 +425,8 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     per_rank = {"device": est.device_bytes, "host": on_host}
     free, source = _free_host_bytes()
     if on_host * cell.world_size > free:
-        pinned = f", {est.pinned_bytes / 2**30:,.2f} GiB of it pinned" if est.pinned_bytes else ""
+        pinned = "".join(f", {n / 2**30:,.2f} GiB of it {what}" for n, what in
+                         ((est.pinned_bytes, "pinned"), (est.managed_bytes, "managed")) if n)
         return per_rank, (f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host memory "
                           f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine has "
                           f"{free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all) "
@@ -435,6 +438,11 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
                 return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
                                   f"rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
                                   f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)")
+            if est.managed_bytes and est.device_bytes + est.managed_bytes > gpu_free:
+                return per_rank, (f"not attempted: estimated {est.managed_bytes / 2**30:,.1f} GiB of managed (unified) "
+                                  f"memory per rank beside {est.device_bytes / 2**30:,.1f} GiB of device memory, GPU "
+                                  f"{rank} has {gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed "
+                                  f"memory beyond the GPU's free memory can hang it (--force runs it anyway)")
     return per_rank, None
 
 

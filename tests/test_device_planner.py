@@ -319,6 +319,25 @@ def test_the_automatic_window_sees_about_ten_pairs_per_cache_row_within_its_boun
     assert window_size([], 1000, 512, None) == (20, 512)  # nothing profiled: a batch of all-distinct ids
 
 
+def test_the_automatic_window_follows_the_workload_not_the_row_width():
+    """Small rows do not shorten look-ahead auto (a share of the slot tensors' bytes alone cut
+    it to 8 batches at dim 8); the window's keys stay within the larger of the share and the
+    floor."""
+    from embbench.cache.device_planner import WINDOW_FLOOR_BYTES, WINDOW_SHARE, DevicePlanner, cache_window, window_size
+
+    for rows, capacity, ids, distinct in ((200_000, 10_000, 2048, [900, 1000]), (1_000_000, 50_000, 16384, [7000]),
+                                          (33_762_577, 506_439, 425_984, [52_000, 62_000])):  # the Kaggle shape
+        unbounded = window_size(distinct, capacity, ids, None)
+        for dim in (8, 16, 128):
+            assert cache_window(distinct, rows, capacity, ids, (dim + 1) * 4, "auto") == unbounded, (rows, dim)
+    for dim in (8, 32):  # a window the bytes bound: by the floor at dim 8, by the share at dim 32
+        rows, capacity, ids = 10**8, 10**7, 10**6
+        ahead, room = cache_window([ids // 10], rows, capacity, ids, (dim + 1) * 4, "auto")
+        slot_bytes = (DevicePlanner.slots_for(rows, capacity, ids) + 1) * (dim + 1) * 4
+        bound = max(WINDOW_FLOOR_BYTES, WINDOW_SHARE * slot_bytes)
+        assert (ahead + 1) * room * 8 <= bound < (ahead + 2) * room * 8, dim
+
+
 def test_pairs_that_do_not_fit_the_window_are_dropped_and_counted_never_misplaced():
     """A window with room for 3 rows a batch: a batch of 5 distinct rows overflows it; the pairs
     kept are still sorted, live and unique, and every slot still holds its row."""

@@ -29,7 +29,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.cache.device_planner import COUNTERS, DevicePlan, DevicePlanner, StepKind, window_size
+from embbench.cache.device_planner import COUNTERS, DevicePlan, DevicePlanner, StepKind, cache_window
 from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
@@ -47,7 +47,7 @@ class FreqCacheParams(StrategyParams):
     lookahead: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="upcoming training batches in the window: the nearer a row's next use there, the later "
                                   "it is evicted; auto: enough to see ~10 (row, batch) pairs per cache row (8-256 batches, "
-                                  "the window at most a tenth of the slot tensors' bytes)")
+                                  "the window at most a tenth of the slot tensors' bytes or 64 MiB, whichever is more)")
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
@@ -58,8 +58,6 @@ class FreqCacheParams(StrategyParams):
                             "operation); auto: on CUDA only (on a CPU, compiling takes seconds a run for ~15 % a step)")
 
 
-#: The automatic look-ahead's window takes at most this share of the slot tensors' bytes.
-_WINDOW_SHARE = 0.1
 #: Steady-state steps run uncaptured before one is captured (they compile and warm the kernels up).
 _EAGER_BEFORE_CAPTURE = 2
 #: Every timed step's plan: a training batch that entered the window right after the last one
@@ -91,15 +89,6 @@ class CapturedStep:
             static.copy_(t)
         self.graph.replay()
         return self.output
-
-
-def cache_window(profiled_distinct: list[int], num_rows: int, capacity: int, max_ids: int, row_bytes: int,
-                 lookahead: int | str) -> tuple[int, int]:
-    """freqcache's look-ahead and window room per batch (:func:`window_size`): ``auto`` keeps the
-    window within ``_WINDOW_SHARE`` of the slot tensors' bytes."""
-    slot_tensor_bytes = (DevicePlanner.slots_for(num_rows, capacity, max_ids) + 1) * row_bytes
-    return window_size(profiled_distinct, capacity, max_ids, None if lookahead == "auto" else lookahead,
-                       max_pairs=int(_WINDOW_SHARE * slot_tensor_bytes) // 8)
 
 
 @dataclass
