@@ -262,6 +262,18 @@ def _weights_comparable(record: Record, baseline: Record | None) -> str | None:
     return None
 
 
+def _loss_diffs(record: Record, baseline: Record | None) -> dict[str, float]:
+    """An exact strategy's training loss (the last 10 steps') and evaluation log loss minus the
+    baseline's, absolute: a full-size correctness check that costs nothing (equal within float
+    rounding, ~1e-6, when both trained the same steps on the same batches)."""
+    if (baseline is None or record is baseline or record.status != "ok" or record.semantics != "exact"
+            or _trained_steps(record) != _trained_steps(baseline)):
+        return {}
+    mine, theirs = record.metrics.get("accuracy") or {}, baseline.metrics.get("accuracy") or {}
+    return {f"{key}_diff_vs_baseline": abs(mine[key] - theirs[key]) for key in ("train_loss_last10", "logloss")
+            if mine.get(key) is not None and theirs.get(key) is not None}
+
+
 def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path, resume: bool = False,
               on_start: Callable[[Cell], None] | None = None,
               on_done: Callable[[Cell, Record], None] | None = None,
@@ -298,6 +310,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     write_errors: list[str] = []
     info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
+    baseline_ok: Record | None = None  # the baseline's record, for the loss check
     records = []
     for cell in cells:
         if cell.id in done:
@@ -310,6 +323,11 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                                  status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
                                  baseline=scenario.baseline, scenario=info, metrics=outcome.metrics,
                                  provenance=provenance(cell.strategy))
+        if record.status == "ok" and cell.strategy == scenario.baseline and baseline_ok is None:
+            baseline_ok = record
+        diffs = _loss_diffs(record, baseline_ok) if write else {}
+        if diffs:
+            record.metrics.update(diffs)
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             if cell.strategy == scenario.baseline and baseline_record is None:
                 baseline_record = record

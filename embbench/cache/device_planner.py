@@ -74,7 +74,7 @@ WINDOW_MARGIN = 1.25
 #: The automatic look-ahead's window takes at most this share of the slot tensors' bytes ...
 WINDOW_SHARE = 0.1
 #: ... or this many bytes, whichever is more: nothing beside a GPU's memory, and enough for the
-#: automatic window at the Criteo-Kaggle shape (61 MiB, 98 batches) whatever the row width. A
+#: automatic window at the Criteo-Kaggle shape (about 55 MiB, ~90-100 batches) at any row width. A
 #: share alone follows the rows' width: at dim 8 it cut that window to 8 batches, and one-table
 #: policies fell 2.7-5.9 points per access below Belady (0.00-0.06 at dim 128).
 WINDOW_FLOOR_BYTES = 64 << 20

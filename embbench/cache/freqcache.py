@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -155,6 +156,7 @@ class FreqCache(SparseModule):
         self._steps = {"enter": self.planner.device_enter, "plan": self._steady_plan, "late": self._late_moves}
         self._compiled: dict[str, object] = {}
         self._compile_worked: set[str] = set()
+        self._compile_seconds: dict[str, float] = {}  # each step's first (compiling) call, host seconds
         self._compiling = self.cuda if params.compile == "auto" else params.compile
         self._compile_note = ("not compiled yet" if self._compiling else
                               "off: not on CUDA (compile: auto)" if params.compile == "auto" else "off: compile is false")
@@ -248,8 +250,10 @@ class FreqCache(SparseModule):
                     return self._captured[name](*inputs), True
         if step is self._steps[name] or name in self._compile_worked:
             return step(*inputs), False
-        try:  # its first call compiles it
+        try:  # its first call compiles it (seconds; a warm inductor cache on this machine cuts them)
+            started = time.perf_counter()
             out = step(*inputs)
+            self._compile_seconds[name] = round(time.perf_counter() - started, 3)
         except Exception as e:  # nothing ran yet (a compilation fails before it runs): run eagerly, say why
             self._compiling = False  # every step runs eagerly from here on
             self._compile_worked.clear()
@@ -387,7 +391,8 @@ class FreqCache(SparseModule):
                      "window_rows_per_batch": self.planner.window_rows, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,
                      "cache_graph_captured": bool(self._captured), "cache_graph": self._graph_note,
-                     "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note}
+                     "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note,
+                     "cache_compile_seconds": dict(self._compile_seconds)}
         if self._window_start is None:
             return out
         end = self._window_end if self._window_end is not None else self.planner.counts  # a run shorter than the window
