@@ -130,7 +130,7 @@ class Session:
         if args.install_note:
             self.ledger.add("install", 30, args.spent, args.install_note)
         self.observed: dict[tuple[str, str], float] = {}  # (run, strategy) -> seconds of a cell run here
-        self.compiled: set[str] = set()  # shapes freqcache compiled for on this machine
+        self.compiled: set[tuple[str, str]] = set()  # freqcache cells (shapes) compiled on this machine
 
     # -- archiving -----------------------------------------------------------------------------
 
@@ -171,8 +171,7 @@ class Session:
 
     def item(self, item: Item) -> None:
         scenario, cells = self._scenario(item)
-        cells = [c for c in cells if (not item.strategies or c.strategy in item.strategies)
-                 and (not item.ratios or _ratio(c) is None or _ratio(c) in item.ratios)]
+        cells = _selected(item, cells)
         run_dir = self.work / item.run
         reused = self._seed(run_dir, scenario)
         done = launch.reusable_records(run_dir, scenario, None, lambda message: None)
@@ -195,7 +194,7 @@ class Session:
                 done[cell.id] = record
                 self.observed[item.run, cell.strategy] = used
                 if cell.strategy == "freqcache":
-                    self.compiled.add(item.run)
+                    self.compiled.add((item.run, cell.id))
             self.ledger.add(title, estimate, used, _summary(record))
             self.archive()
         self._show(run_dir)
@@ -222,14 +221,11 @@ class Session:
 
     def _estimate(self, item: Item, scenario: Scenario, cell: Cell) -> float:
         seen = self.observed.get((item.run, cell.strategy))
-        if seen is not None:
+        if seen is not None and (cell.strategy != "freqcache" or (item.run, cell.id) in self.compiled):
             return seen
         if self.rehearse:
             return REHEARSAL_CELL_SECONDS
-        seconds = KAGGLE_SECONDS.get(cell.strategy, 90) * SHAPE_FACTOR.get(scenario.data.preset, 1.0)
-        if cell.strategy == "freqcache" and item.run not in self.compiled:
-            seconds += FIRST_COMPILE_SECONDS
-        return seconds
+        return estimate(scenario, cell, compiled=(item.run, cell.id) in self.compiled)
 
     def _seed(self, run_dir: Path, scenario: Scenario) -> int:
         """Copy committed records of this scenario made on this kind of device into the run
@@ -263,6 +259,36 @@ class Session:
         self.archive()
 
 
+def estimate(scenario: Scenario, cell: Cell, compiled: bool = False) -> float:
+    """Device seconds of one cell on an H100 (before any was measured in this session): a
+    freqcache cell compiles its steps for its shape first unless this machine did already."""
+    seconds = KAGGLE_SECONDS.get(cell.strategy, 90) * SHAPE_FACTOR.get(scenario.data.preset, 1.0)
+    return seconds + (FIRST_COMPILE_SECONDS if cell.strategy == "freqcache" and not compiled else 0)
+
+
+def plan_text() -> str:
+    """The priority list with each item's cells and estimated device seconds on a bare H100
+    (cells a GPU refuses, such as lfu with the prefetch pipeline, count nothing)."""
+    import torch
+
+    from embbench.strategy import RuntimeEnv
+
+    env, rows, seen = RuntimeEnv(torch.device("cuda")), [], set()
+    for item in priority_list():
+        scenario, cells = parse_scenario(yaml.safe_load(item.scenario.read_text()), str(item.scenario))
+        cells = [c for c in _selected(item, cells) if (item.run, c.id) not in seen]
+        seen.update((item.run, c.id) for c in cells)
+        runnable = [c for c in cells if not c.make_strategy().unsupported_reason(env)]
+        seconds = sum(estimate(scenario, c) for c in runnable)
+        rows.append(f"{item.title:<52} {len(runnable):>3} cells {seconds:>6.0f} s  ({item.scenario.name})")
+    return "\n".join(rows)
+
+
+def _selected(item: Item, cells: list[Cell]) -> list[Cell]:
+    return [c for c in cells if (not item.strategies or c.strategy in item.strategies)
+            and (not item.ratios or _ratio(c) is None or _ratio(c) in item.ratios)]
+
+
 def _ratio(cell: Cell) -> float | None:
     return cell.params.get("cache_ratio", cell.params.get("hot_ratio"))
 
@@ -270,7 +296,8 @@ def _ratio(cell: Cell) -> float | None:
 def _device_name() -> str:
     import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    # (properties, not get_device_name: the launcher process opens no CUDA context; see launch.py)
+    return torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
 
 
 def _record_device(record) -> str:
@@ -306,13 +333,19 @@ def _last_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_session.sh", description=__doc__.splitlines()[0])
-    parser.add_argument("seconds", type=float, help="device seconds left to this session (status's budget_left_s)")
+    parser.add_argument("seconds", type=float, nargs="?", help="device seconds left to this session (status's budget_left_s)")
+    parser.add_argument("--plan", action="store_true", help="print the priority list with estimated device seconds; run nothing")
     parser.add_argument("--rehearse", action="store_true", help="the same sequence on the CPU at a tiny scale")
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_session_out", help="where archives go ($OUT)")
     parser.add_argument("--work", default=os.environ.get("SESSION_DIR") or "/tmp/gpu_session", help="the run folders")
     parser.add_argument("--spent", type=float, default=0.0, help="seconds already spent (the install)")
     parser.add_argument("--install-note", default="", help="how the install went (the ledger's first line)")
     args = parser.parse_args(argv)
+    if args.plan:
+        print(plan_text())
+        return 0
+    if args.seconds is None:
+        parser.error("give the seconds left (or --plan)")
     session = Session(args)
     session.archive()
     session.cuda_tests()

@@ -59,3 +59,6 @@ def test_the_priority_list_starts_with_the_headline_and_names_existing_scenarios
     items = gpu_session.priority_list()
     assert items[0].scenario.name == "kaggle_headline.yaml" and items[0].run == "kaggle_alpha1.15"
     assert all(item.scenario.exists() for item in items)
+    plan = gpu_session.plan_text().splitlines()
+    assert plan[0].startswith("headline: Kaggle shape, cache 1.5 %") and " 4 cells " in plan[0]
+    assert " 1 cells " in plan[1]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
