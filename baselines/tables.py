@@ -16,6 +16,7 @@ from torch import Tensor
 from baselines.torchrec_tables import fused_optimizer
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
+from embbench.data.weights import fill_in_parallel
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.optim import EmbeddingOptimizer
 from embbench.sharding import TableWiseSharded
@@ -68,11 +69,15 @@ class HostTables(SparseModule):
             pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
             device=torch.device("cpu"), **fused_optimizer(ctx.optimizer),
         )
-        with torch.no_grad():
-            for t, weights in enumerate(self.tbe.split_embedding_weights()):
-                for lo in range(0, weights.shape[0], _INIT_CHUNK):
-                    hi = min(weights.shape[0], lo + _INIT_CHUNK)
-                    weights[lo:hi].copy_(ctx.init_weights(t, lo, hi))
+        tables = self.tbe.split_embedding_weights()
+
+        def fill(job: tuple[int, int]) -> None:
+            t, lo = job
+            hi = min(tables[t].shape[0], lo + _INIT_CHUNK)
+            with torch.no_grad():
+                tables[t][lo:hi].copy_(ctx.init_weights(t, lo, hi))
+
+        fill_in_parallel(fill, [(t, lo) for t, w in enumerate(tables) for lo in range(0, w.shape[0], _INIT_CHUNK)])
         self._counts = {"accesses": 0, "bytes_h2d": 0, "bytes_d2h": 0}
         self._remote = self.compute.type != "cpu"
 

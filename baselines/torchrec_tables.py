@@ -24,6 +24,7 @@ from torch import Tensor
 
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
+from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer
 from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams)
 
@@ -241,14 +242,21 @@ class TorchrecTables(SparseModule):
             yield i, state[key]
 
     def _load_initial_weights(self, ctx: BuildContext) -> None:
-        with torch.no_grad():
-            for i, weight in self._sharded_weights():
-                for shard in weight.local_shards():
-                    (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    for lo in range(0, rows, 1 << 20):  # a chunk at a time: no second copy of a table
-                        hi = min(rows, lo + (1 << 20))
-                        block = ctx.init_weights(i, row + lo, row + hi)[:, col : col + cols]
-                        shard.tensor[lo:hi].copy_(block.to(shard.tensor.device))
+        """Every local shard's rows, a chunk at a time (no second copy of a table), on a thread
+        per core."""
+        chunk = 1 << 18
+        jobs = [(i, shard, lo) for i, weight in self._sharded_weights() for shard in weight.local_shards()
+                for lo in range(0, shard.metadata.shard_sizes[0], chunk)]
+
+        def fill(job) -> None:
+            i, shard, lo = job
+            (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            hi = min(rows, lo + chunk)
+            block = ctx.init_weights(i, row + lo, row + hi)[:, col : col + cols]
+            with torch.no_grad():
+                shard.tensor[lo:hi].copy_(block.to(shard.tensor.device))
+
+        fill_in_parallel(fill, jobs)
 
     def forward(self, features: SparseFeatures) -> Tensor:
         self._accesses += features.values.numel()
@@ -354,7 +362,8 @@ class UvmStrategy(Strategy):
         return _needs_cuda(env)
 
     def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
+        managed = math.ceil(_bytes(tables, optimizer) / world_size)  # fbgemm's EmbeddingLocation.MANAGED
+        return MemoryFootprint(host_bytes=managed, managed_bytes=managed)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         return TorchrecTables(ctx, kernel="fused_uvm", sharding="table_wise")
@@ -381,8 +390,8 @@ class UvmCacheStrategy(Strategy):
     def estimate_memory(self, tables, optimizer, world_size):
         # fbgemm's cache holds weights only; optimizer state stays in unified memory
         cached = fbgemm_cache_rows(self.params.cache_ratio, sum(t.num_rows for t in tables))
-        return MemoryFootprint(device_bytes=cached * tables[0].dim * 4,
-                               host_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
+        managed = math.ceil(_bytes(tables, optimizer) / world_size)  # EmbeddingLocation.MANAGED_CACHING
+        return MemoryFootprint(device_bytes=cached * tables[0].dim * 4, host_bytes=managed, managed_bytes=managed)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         from baselines._fbgemm import CacheAlgorithm, CacheParams

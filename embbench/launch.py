@@ -317,6 +317,18 @@ def _weights_comparable(record: Record, baseline: Record | None) -> str | None:
     return None
 
 
+def _loss_diffs(record: Record, baseline: Record | None) -> dict[str, float]:
+    """An exact strategy's training loss (the last 10 steps') and evaluation log loss minus the
+    baseline's, absolute: a full-size correctness check that costs nothing (equal within float
+    rounding, ~1e-6, when both trained the same steps on the same batches)."""
+    if (baseline is None or record is baseline or record.status != "ok" or record.semantics != "exact"
+            or _trained_steps(record) != _trained_steps(baseline)):
+        return {}
+    mine, theirs = record.metrics.get("accuracy") or {}, baseline.metrics.get("accuracy") or {}
+    return {f"{key}_diff_vs_baseline": abs(mine[key] - theirs[key]) for key in ("train_loss_last10", "logloss")
+            if mine.get(key) is not None and theirs.get(key) is not None}
+
+
 def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir: Path, resume: bool = False,
               on_start: Callable[[Cell], None] | None = None,
               on_done: Callable[[Cell, Record], None] | None = None,
@@ -353,6 +365,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     write_errors: list[str] = []
     info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
+    baseline_ok: Record | None = None  # the baseline's record, for the loss check
     records = []
     for cell in cells:
         if cell.id in done:
@@ -365,6 +378,11 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                                  status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
                                  baseline=scenario.baseline, scenario=info, metrics=outcome.metrics,
                                  provenance=provenance(cell.strategy))
+        if record.status == "ok" and cell.strategy == scenario.baseline and baseline_ok is None:
+            baseline_ok = record
+        diffs = _loss_diffs(record, baseline_ok) if write else {}
+        if diffs:
+            record.metrics.update(diffs)
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             if cell.strategy == scenario.baseline and baseline_record is None:
                 baseline_record = record
@@ -466,9 +484,11 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     Checked against what is free now, before any rank pins host memory or allocates managed
     memory (so that a placement that cannot fit is refused, not left to thrash or wake the
     OOM killer): the host holds every rank's host and pinned bytes (and, on a CPU device, its
-    device bytes too), against :func:`_free_host_bytes`; each rank's GPU holds its device
-    bytes, against that GPU's free memory. A strategy's ``estimate_memory`` that raises is a
-    broken plugin: it raises ``RuntimeError`` naming the strategy.
+    device bytes too), against :func:`_free_host_bytes` (pinned pages cannot be swapped out);
+    each rank's GPU holds its device bytes, and its device and managed bytes together, against
+    that GPU's free memory: managed memory oversubscribing the GPU can hang it. A strategy's
+    ``estimate_memory`` that raises is a broken plugin: it raises ``RuntimeError`` naming the
+    strategy.
     """
     try:
         strategy = cell.make_strategy()
@@ -489,7 +509,8 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     per_rank = {"device": est.device_bytes, "host": on_host}
     free, source = _free_host_bytes()
     if on_host * cell.world_size > free:
-        pinned = f", {est.pinned_bytes / 2**30:,.2f} GiB of it pinned" if est.pinned_bytes else ""
+        pinned = "".join(f", {n / 2**30:,.2f} GiB of it {what}" for n, what in
+                         ((est.pinned_bytes, "pinned"), (est.managed_bytes, "managed")) if n)
         return per_rank, (f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host memory "
                           f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine has "
                           f"{free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all) "
@@ -501,6 +522,11 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
                 return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
                                   f"rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
                                   f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)")
+            if est.managed_bytes and est.device_bytes + est.managed_bytes > gpu_free:
+                return per_rank, (f"not attempted: estimated {est.managed_bytes / 2**30:,.1f} GiB of managed (unified) "
+                                  f"memory per rank beside {est.device_bytes / 2**30:,.1f} GiB of device memory, GPU "
+                                  f"{rank} has {gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed "
+                                  f"memory beyond the GPU's free memory can hang it (--force runs it anyway)")
     return per_rank, None
 
 

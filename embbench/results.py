@@ -202,6 +202,9 @@ class Metrics(TypedDict):
     weights_file: NotRequired[str | None]
     max_weight_diff_vs_baseline: NotRequired[NonNegative]
     weights_not_compared: NotRequired[str]  # why max_weight_diff_vs_baseline is absent
+    # |this - the baseline's| for exact strategies that trained the same steps (launch._loss_diffs)
+    train_loss_last10_diff_vs_baseline: NotRequired[NonNegative]
+    logloss_diff_vs_baseline: NotRequired[NonNegative]
 
 
 @_open

@@ -95,11 +95,14 @@ class MemoryFootprint:
     """Static bytes a strategy holds, per rank.
 
     ``device_bytes`` are on the compute device (which is the CPU on a machine without GPUs).
+    ``managed_bytes``: of ``host_bytes``, those in CUDA managed (unified) memory, which the GPU
+    pages in on demand: the preflight also holds them to the GPU's free memory.
     """
 
     device_bytes: int = 0
     host_bytes: int = 0
     pinned_bytes: int = 0
+    managed_bytes: int = 0
 
 
 @dataclass

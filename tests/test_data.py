@@ -68,3 +68,40 @@ def test_shards_partition_the_global_batch():
     for t in range(len(tables)):
         joined = torch.cat([s.sparse.values[s.sparse.table_of_each_id() == t] for s in shards])
         assert torch.equal(joined, batch.sparse.values[batch.sparse.table_of_each_id() == t])
+
+
+def test_initial_weights_are_each_chunk_s_generator_scaled_bit_for_bit_whatever_the_range():
+    """Generated in place, they are still ``rand(chunk) * (2 * bound) - bound`` of each chunk's
+    own generator (the numbers every earlier record started from), for any row range."""
+    import math
+
+    import torch
+
+    from embbench.data.synthetic import _mix
+    from embbench.data.weights import _INIT_CHUNK, initial_weights
+
+    table = TableSpec("t", 3 * _INIT_CHUNK + 17, 5, 1, 1.0)
+    bound = 1.0 / math.sqrt(table.num_rows)
+    chunks = [torch.rand(min(_INIT_CHUNK, table.num_rows - lo), 5, generator=torch.Generator().manual_seed(_mix(9, 10, 2, c)))
+              * (2 * bound) - bound for c, lo in enumerate(range(0, table.num_rows, _INIT_CHUNK))]
+    whole = torch.cat(chunks)
+    for start, stop in ((0, table.num_rows), (3, _INIT_CHUNK + 5), (_INIT_CHUNK, 2 * _INIT_CHUNK), (7, 7),
+                        (table.num_rows - 1, table.num_rows)):
+        assert torch.equal(initial_weights(table, 2, 9, start, stop), whole[start:stop]), (start, stop)
+
+
+def test_parallel_fills_run_every_job_once_and_raise_a_job_s_error():
+    import pytest
+
+    from embbench.data.weights import fill_in_parallel
+
+    done = []
+    fill_in_parallel(done.append, range(100), workers=4)
+    assert sorted(done) == list(range(100))
+
+    def fail(job):
+        if job == 7:
+            raise ValueError("job 7")
+
+    with pytest.raises(ValueError, match="job 7"):
+        fill_in_parallel(fail, range(10), workers=3)

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from embbench.cache.device_planner import DevicePlanner
 from embbench.cache.sweep import Workload, simulate
 from embbench.data import Stream, SyntheticCriteo, TableSpec
+from embbench.host_reads import HostRead, HostReadCheck
 
 CPU = torch.device("cpu")
 
@@ -45,6 +46,79 @@ def test_a_step_reads_nothing_on_the_host_and_sizes_nothing_by_the_data():
         batches = [torch.randint(0, 1000, (64,)) for _ in range(8)]
         _drive(planner, batches, range(3), {})
         planner.plan(torch.randint(0, 1000, (40,)), train=False)  # an evaluation batch, shorter
+
+
+def test_a_step_dispatches_no_operator_that_reads_a_device_value_on_the_host():
+    """Real tensors, every call named by its ATen overload: fake tensors miss the kernels that
+    read a tensor-valued scalar with .item() (index_fill_ of a 0-dim tensor: a sync on CUDA
+    and a failed graph capture), and this sees them (embbench.host_reads)."""
+    batches = _zipf_batches(5000, 128, 30)
+    planner = DevicePlanner(5000, 60, 128, 4, CPU, decay_every=3)
+    planner.profile(batches[:4])
+    numbers = {}
+    running = _drive(planner, batches, range(4, 8), numbers)
+    with HostReadCheck():
+        _drive(planner, batches, range(8, 14), numbers, running)  # steady state
+        _drive(planner, batches, range(14, 16), numbers)  # no running step
+        planner.plan(batches[20][:50], train=False)  # an evaluation batch, shorter, not in the window
+
+
+def test_freqcache_s_training_steps_dispatch_no_operator_that_reads_a_device_value_on_the_host():
+    """The cache's part of a step as the runner drives it (look-ahead, forward with the late
+    moves, prefetch), compiled off. The backward is left out: its row-gradient aggregation
+    (``unique``) is the harness's own, the same in ``device``'s step."""
+    from embbench.cache import FreqCache, FreqCacheParams
+    from embbench.optim import EmbeddingOptimizer
+    from tests.test_freqcache import _context, _train
+
+    tables = [TableSpec("t0", 300, 8, 1, 1.1), TableSpec("t1", 50, 8, 2, 1.1)]
+    data = SyntheticCriteo(tables, 0)
+    batches = [data.batch(Stream.TRAIN, i, 16).sparse for i in range(14)]
+    module = FreqCache(_context(tables, EmbeddingOptimizer(type="rowwise_adagrad", lr=0.1), batches),
+                       FreqCacheParams(cache_ratio=0.05, lookahead=3, profile_batches=2, compile=False, belady_steps=0))
+    _train(module, batches[:4], prefetch=True, lookahead=3)
+    for i in range(4, len(batches) - 1):
+        with HostReadCheck():
+            module.look_ahead(batches[i + 1 : i + 4])
+            out = module(batches[i])
+            module.prefetch(batches[i + 1])
+        out.sum().backward()
+        with HostReadCheck():
+            module.end_step()
+
+
+@pytest.mark.parametrize("read", [
+    lambda x, m: x.index_fill_(0, torch.tensor([1]), torch.tensor(2.0)),
+    lambda x, m: x.masked_fill_(m, torch.tensor(1.0)),
+    lambda x, m: x[m],
+    lambda x, m: x.__setitem__(m, 1.0),
+    lambda x, m: x.nonzero(),
+    lambda x, m: torch.where(m),
+    lambda x, m: x.unique(),
+    lambda x, m: x.sum().item(),
+    lambda x, m: x[: m.long().sum()],
+    lambda x, m: bool(x.sum()),
+    lambda x, m: torch.repeat_interleave(m.long()),
+    lambda x, m: torch.bincount(m.long()),
+    lambda x, m: torch.equal(x, x),
+], ids=["index_fill_tensor", "masked_fill_tensor", "mask_index", "mask_put", "nonzero", "where1", "unique", "item",
+        "tensor_slice", "bool", "repeat_interleave", "bincount", "equal"])
+def test_the_check_names_each_kind_of_host_read(read):
+    x, m = torch.arange(5.0), torch.tensor([True, False, True, False, False])
+    with pytest.raises(HostRead):
+        with HostReadCheck():
+            read(x, m)
+
+
+def test_the_check_lets_device_side_equivalents_pass():
+    x, m, v = torch.arange(5.0), torch.tensor([True, False, True, False, False]), torch.tensor(2.0)
+    with HostReadCheck():
+        x.index_copy_(0, torch.tensor([1, 3]), v.expand(2))
+        torch.where(m, v, x)
+        x.fill_(v)  # the same device: a copy
+        torch.repeat_interleave(m.long(), output_size=2)
+        x.masked_fill_(m, 1.0)  # a Python number
+        x[torch.tensor([0, 2])]
 
 
 class _Ops(TorchDispatchMode):
@@ -243,6 +317,25 @@ def test_the_automatic_window_sees_about_ten_pairs_per_cache_row_within_its_boun
     assert window_size([1], 10**6, 512, None)[0] == AUTO_LOOKAHEAD[1]
     assert window_size([100], 1000, 512, None, max_pairs=125 * 41) == (40, 125)  # bounded by bytes
     assert window_size([], 1000, 512, None) == (20, 512)  # nothing profiled: a batch of all-distinct ids
+
+
+def test_the_automatic_window_follows_the_workload_not_the_row_width():
+    """Small rows do not shorten look-ahead auto (a share of the slot tensors' bytes alone cut
+    it to 8 batches at dim 8); the window's keys stay within the larger of the share and the
+    floor."""
+    from embbench.cache.device_planner import WINDOW_FLOOR_BYTES, WINDOW_SHARE, DevicePlanner, cache_window, window_size
+
+    for rows, capacity, ids, distinct in ((200_000, 10_000, 2048, [900, 1000]), (1_000_000, 50_000, 16384, [7000]),
+                                          (33_762_577, 506_439, 425_984, [52_000, 62_000])):  # the Kaggle shape
+        unbounded = window_size(distinct, capacity, ids, None)
+        for dim in (8, 16, 128):
+            assert cache_window(distinct, rows, capacity, ids, (dim + 1) * 4, "auto") == unbounded, (rows, dim)
+    for dim in (8, 32):  # a window the bytes bound: by the floor at dim 8, by the share at dim 32
+        rows, capacity, ids = 10**8, 10**7, 10**6
+        ahead, room = cache_window([ids // 10], rows, capacity, ids, (dim + 1) * 4, "auto")
+        slot_bytes = (DevicePlanner.slots_for(rows, capacity, ids) + 1) * (dim + 1) * 4
+        bound = max(WINDOW_FLOOR_BYTES, WINDOW_SHARE * slot_bytes)
+        assert (ahead + 1) * room * 8 <= bound < (ahead + 2) * room * 8, dim
 
 
 def test_pairs_that_do_not_fit_the_window_are_dropped_and_counted_never_misplaced():

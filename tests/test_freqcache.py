@@ -472,6 +472,7 @@ def test_compiled_steps_train_exactly_like_eager_ones_with_fewer_operators_the_s
             torch.testing.assert_close(a, b)
         if compile_:
             assert extra["cache_compiled"] == ["enter", "late", "plan"], extra["cache_compile"]
+            assert sorted(extra["cache_compile_seconds"]) == ["enter", "late", "plan"]
         else:
             assert extra["cache_compiled"] == [] and extra["cache_compile"] == "off: compile is false"
     assert ops[True, 16] == ops[True, 48] < ops[False, 16] - 100, ops

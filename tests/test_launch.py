@@ -31,6 +31,26 @@ def test_a_failing_and_a_hanging_cell_are_recorded_and_the_next_cell_runs(tmp_pa
     on_disk = {r.cell_id: r.status for r in load_records(tmp_path)}
     assert on_disk == {"device@w1": "ok", "raises@w1": "error", "sleeps@w1": "timeout", "cpu@w1": "ok"}
     assert status["cpu"].metrics["max_weight_diff_vs_baseline"] < 1e-5
+    assert status["cpu"].metrics["train_loss_last10_diff_vs_baseline"] < 1e-6
+    assert status["cpu"].metrics["logloss_diff_vs_baseline"] < 1e-6
+    assert "logloss_diff_vs_baseline" not in status["device"].metrics  # the baseline itself
+
+
+def test_an_exact_strategy_s_losses_are_compared_with_the_baseline_s_only_over_the_same_steps():
+    """The full-size check that needs no weights on disk: |loss - the baseline's| for exact
+    strategies that trained as many steps; none for a reordered one or another step count."""
+    from embbench.launch import _loss_diffs
+
+    device = make_record("device")
+    device.metrics["accuracy"] = {"train_loss_last10": 0.5, "logloss": 0.45, "auc": 0.7}
+    cache = make_record("freqcache")
+    cache.metrics["accuracy"] = {"train_loss_last10": 0.5000004, "logloss": 0.45, "auc": 0.7}
+    diffs = _loss_diffs(cache, device)
+    assert diffs.keys() == {"train_loss_last10_diff_vs_baseline", "logloss_diff_vs_baseline"}
+    assert abs(diffs["train_loss_last10_diff_vs_baseline"] - 4e-7) < 1e-9 and diffs["logloss_diff_vs_baseline"] == 0
+    assert _loss_diffs(cache.model_copy(update={"semantics": "reordered"}), device) == {}
+    longer = make_record("freqcache", warmup_steps_run=40)
+    assert _loss_diffs(longer, device) == {} and _loss_diffs(device, device) == {} and _loss_diffs(cache, None) == {}
 
 
 def test_resume_skips_finished_cells(tmp_path):

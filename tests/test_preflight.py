@@ -92,3 +92,35 @@ def test_gpu_memory_is_read_with_nvidia_smi_without_a_cuda_context(monkeypatch):
 def test_free_host_memory_is_at_most_the_machine():
     free, source = launch._free_host_bytes()
     assert 0 < free <= launch._host_memory_bytes() and source
+
+
+def test_managed_memory_beyond_the_gpu_s_free_memory_is_refused_with_the_numbers(monkeypatch):
+    """uvm and uvm_cache keep their tables in CUDA managed memory: at the 1TB shape, dim 128,
+    that is 85.5 GiB, more than an H100 holds; oversubscribed, it can hang the GPU."""
+    _h100(monkeypatch, free_gib=78.0)
+    for dim, fits in ((64, True), (128, False)):
+        raw = _one_tb(dim)
+        raw["strategies"] = [{"name": "device"}, {"name": "uvm"}, {"name": "uvm_cache"}]
+        scenario, _ = parse_scenario(raw, f"1tb{dim}.yaml")
+        for strategy in ("uvm", "uvm_cache"):
+            _, refused = memory_preflight(scenario, Cell(strategy), torch.device("cuda"))
+            assert (refused is None) == fits, (dim, strategy, refused)
+            if not fits:
+                assert refused.startswith("not attempted: estimated 85.5 GiB of managed (unified) memory per rank beside "), refused
+                assert "GPU 0 has 78.0 GiB free of 79.2 GiB: managed memory beyond the GPU's free memory can hang it" in refused
+
+
+def test_pinned_host_memory_beyond_the_host_s_free_memory_is_refused_with_the_numbers(monkeypatch):
+    """freqcache's host table is pinned (host-mapped) on CUDA: it must fit the host's free memory."""
+    from embbench.strategy import MemoryFootprint
+
+    _h100(monkeypatch, free_gib=78.0)
+    monkeypatch.setattr(launch, "_free_host_bytes", lambda: (40 * GiB, "MemAvailable"))
+    monkeypatch.setattr(launch, "_host_memory_bytes", lambda: 64 * GiB)
+    scenario, _ = parse_scenario(_one_tb(64), "1tb64.yaml")
+    cell = Cell("device")
+    monkeypatch.setattr(Cell, "make_strategy", lambda self: SimpleNamespace(
+        estimate_memory=lambda *a: MemoryFootprint(device_bytes=GiB, pinned_bytes=50 * GiB)))
+    _, refused = memory_preflight(scenario, cell, torch.device("cuda"))
+    assert refused.startswith("not attempted: estimated 50.0 GiB of host memory (1 rank(s) x 50.00 GiB, 50.00 GiB of "
+                              "it pinned), this machine has 40.0 GiB free (MemAvailable; 64.0 GiB in all)"), refused

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DevicePlan", "DevicePlanner", "StepKind", "window_size"]
+__all__ = ["DevicePlan", "DevicePlanner", "StepKind", "cache_window", "window_size"]
 
 #: Bits of a window key that hold the batch number (the rest hold the row).
 _NUMBER_BITS = 24
@@ -71,6 +71,13 @@ WINDOW_PAIRS_PER_CACHED_ROW = 10
 AUTO_LOOKAHEAD = (8, 256)
 #: Room per batch in the window beyond the most distinct rows a profiled batch had.
 WINDOW_MARGIN = 1.25
+#: The automatic look-ahead's window takes at most this share of the slot tensors' bytes ...
+WINDOW_SHARE = 0.1
+#: ... or this many bytes, whichever is more: nothing beside a GPU's memory, and enough for the
+#: automatic window at the Criteo-Kaggle shape (about 55 MiB, ~90-100 batches) at any row width. A
+#: share alone follows the rows' width: at dim 8 it cut that window to 8 batches, and one-table
+#: policies fell 2.7-5.9 points per access below Belady (0.00-0.06 at dim 128).
+WINDOW_FLOOR_BYTES = 64 << 20
 
 
 def window_size(profiled_distinct: list[int], capacity: int, max_ids: int, lookahead: int | None,
@@ -92,6 +99,24 @@ def window_size(profiled_distinct: list[int], capacity: int, max_ids: int, looka
             lookahead = min(lookahead, max_pairs // rows - 1)
         lookahead = max(AUTO_LOOKAHEAD[0], min(AUTO_LOOKAHEAD[1], lookahead))
     return lookahead, rows
+
+
+def auto_window_pairs(num_rows: int, capacity: int, max_ids: int, row_bytes: int) -> int:
+    """The (row, batch) pairs an automatic look-ahead's window may hold: its keys (8 bytes a pair)
+    within ``WINDOW_SHARE`` of the slot tensors' bytes (rows of ``row_bytes``) or within
+    ``WINDOW_FLOOR_BYTES``, whichever is more."""
+    slot_tensor_bytes = (DevicePlanner.slots_for(num_rows, capacity, max_ids) + 1) * row_bytes
+    return max(WINDOW_FLOOR_BYTES, int(WINDOW_SHARE * slot_tensor_bytes)) // 8
+
+
+def cache_window(profiled_distinct: list[int], num_rows: int, capacity: int, max_ids: int, row_bytes: int,
+                 lookahead: int | str, train_steps: int | None = None) -> tuple[int, int]:
+    """freqcache's look-ahead and window room per batch (:func:`window_size`), ``auto``'s window
+    bounded by :func:`auto_window_pairs`; either never looks further than the ``train_steps``
+    batches the run hands it (a window beyond them would be memory for nothing)."""
+    ahead, rows = window_size(profiled_distinct, capacity, max_ids, None if lookahead == "auto" else lookahead,
+                              max_pairs=auto_window_pairs(num_rows, capacity, max_ids, row_bytes))
+    return (ahead if train_steps is None else min(ahead, train_steps)), rows
 
 
 def _signed(value: int) -> int:
@@ -299,6 +324,12 @@ class DevicePlanner:
         ids.index_add_(0, group, (ordered < self.pad_row).long())
         return unique, ids[:m], order, group
 
+    def _mark_planned(self, slots: Tensor) -> None:
+        """``slot_plan[slots] = this plan's number``, read on the device: ``index_fill_`` with a
+        tensor value would read it on the host (``.item()``: a sync on CUDA, an error in graph
+        capture; see :mod:`embbench.host_reads`)."""
+        self.slot_plan.index_copy_(0, slots, self._pid.to(self.slot_plan.dtype).expand(len(slots)))
+
     def _bonus(self, next_use: Tensor) -> Tensor:
         """Belady's order inside the window: the nearer a row's next use, the larger its bonus;
         none where the window does not use it."""
@@ -401,7 +432,7 @@ class DevicePlanner:
         valid = unique < self.pad_row
         slot = self._lookup(unique)
         cached = self.slot_cached[slot]  # the sink is never cached
-        self.slot_plan.index_fill_(0, slot, self._pid)  # kept for this batch from here on
+        self._mark_planned(slot)  # kept for this batch from here on
 
         outside = valid & ~cached
         if train:
@@ -474,7 +505,7 @@ class DevicePlanner:
         self.slot_row.index_copy_(0, dest, cand_row.to(self.slot_row.dtype))
         self.slot_cached.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), admitted)
         self.slot_dirty.index_fill_(0, dest, False)
-        self.slot_plan.index_fill_(0, dest, self._pid)
+        self._mark_planned(dest)
         cand_freq = freq[rank].to(torch.int32)
         self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
         batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -29,7 +30,8 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.cache.device_planner import AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind, window_size
+from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
+                                             auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
 from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
@@ -47,7 +49,7 @@ class FreqCacheParams(StrategyParams):
     lookahead: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="upcoming training batches in the window: the nearer a row's next use there, the later "
                                   "it is evicted; auto: enough to see ~10 (row, batch) pairs per cache row (8-256 batches, "
-                                  "the window at most a tenth of the slot tensors' bytes)")
+                                  "the window at most a tenth of the slot tensors' bytes or 64 MiB, whichever is more)")
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
@@ -58,8 +60,6 @@ class FreqCacheParams(StrategyParams):
                             "operation); auto: on CUDA only (on a CPU, compiling takes seconds a run for ~15 % a step)")
 
 
-#: The automatic look-ahead's window takes at most this share of the slot tensors' bytes.
-_WINDOW_SHARE = 0.1
 #: Steady-state steps run uncaptured before one is captured (they compile and warm the kernels up).
 _EAGER_BEFORE_CAPTURE = 2
 #: Every timed step's plan: a training batch that entered the window right after the last one
@@ -91,21 +91,6 @@ class CapturedStep:
             static.copy_(t)
         self.graph.replay()
         return self.output
-
-
-def cache_window(profiled_distinct: list[int], num_rows: int, capacity: int, max_ids: int, row_bytes: int,
-                 lookahead: int | str, train_steps: int | None = None) -> tuple[int, int]:
-    """freqcache's look-ahead and window room per batch (:func:`window_size`): ``auto`` keeps the
-    window within ``_WINDOW_SHARE`` of the slot tensors' bytes; either never looks further than
-    the ``train_steps`` batches the run hands it (a window beyond them would be memory for nothing)."""
-    ahead, rows = window_size(profiled_distinct, capacity, max_ids, None if lookahead == "auto" else lookahead,
-                              max_pairs=_auto_window_pairs(num_rows, capacity, max_ids, row_bytes))
-    return (ahead if train_steps is None else min(ahead, train_steps)), rows
-
-
-def _auto_window_pairs(num_rows: int, capacity: int, max_ids: int, row_bytes: int) -> int:
-    """The (row, batch) pairs an automatic look-ahead's window may hold: ``_WINDOW_SHARE`` of the slot tensors' bytes."""
-    return int(_WINDOW_SHARE * (DevicePlanner.slots_for(num_rows, capacity, max_ids) + 1) * row_bytes) // 8
 
 
 @dataclass
@@ -172,6 +157,7 @@ class FreqCache(SparseModule):
         self._steps = {"enter": self.planner.device_enter, "plan": self._steady_plan, "late": self._late_moves}
         self._compiled: dict[str, object] = {}
         self._compile_worked: set[str] = set()
+        self._compile_seconds: dict[str, float] = {}  # each step's first (compiling) call, host seconds
         self._compiling = self.cuda if params.compile == "auto" else params.compile
         self._compile_note = ("not compiled yet" if self._compiling else
                               "off: not on CUDA (compile: auto)" if params.compile == "auto" else "off: compile is false")
@@ -265,8 +251,10 @@ class FreqCache(SparseModule):
                     return self._captured[name](*inputs), True
         if step is self._steps[name] or name in self._compile_worked:
             return step(*inputs), False
-        try:  # its first call compiles it
+        try:  # its first call compiles it (seconds; a warm inductor cache on this machine cuts them)
+            started = time.perf_counter()
             out = step(*inputs)
+            self._compile_seconds[name] = round(time.perf_counter() - started, 3)
         except Exception as e:  # nothing ran yet (a compilation fails before it runs): run eagerly, say why
             self._compiling = False  # every step runs eagerly from here on
             self._compile_worked.clear()
@@ -404,7 +392,8 @@ class FreqCache(SparseModule):
                      "window_rows_per_batch": self.planner.window_rows, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,
                      "cache_graph_captured": bool(self._captured), "cache_graph": self._graph_note,
-                     "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note}
+                     "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note,
+                     "cache_compile_seconds": dict(self._compile_seconds)}
         if self._window_start is None:
             return out
         end = self._window_end if self._window_end is not None else self.planner.counts  # a run shorter than the window
@@ -455,7 +444,7 @@ class FreqCacheStrategy(Strategy):
             pairs = (ahead + 1) * rows
             if self.params.lookahead == "auto":  # a profile of fewer distinct rows a batch looks further
                 longest = min(AUTO_LOOKAHEAD[1], train_steps if train_steps is not None else AUTO_LOOKAHEAD[1])
-                pairs = min(max(_auto_window_pairs(n, cached, max_ids, row_bytes), (AUTO_LOOKAHEAD[0] + 1) * max_ids),
+                pairs = min(max(auto_window_pairs(n, cached, max_ids, row_bytes), (AUTO_LOOKAHEAD[0] + 1) * max_ids),
                             (longest + 1) * max_ids)
             device += pairs * 8 if self.params.prefetch else 0
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)

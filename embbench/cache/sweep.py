@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from embbench.bounds import Config, Seed
-from embbench.cache.device_planner import DevicePlanner, window_size
+from embbench.cache.device_planner import DevicePlanner, cache_window, window_size
 from embbench.cache.policy import SlotPlanner
 from embbench.data import Stream, SyntheticCriteo, TableSpec
 from embbench.metrics import belady_hit_rates
@@ -49,6 +49,7 @@ Lookahead = Annotated[int, Field(ge=0)] | Literal["auto"]
 Planner = Literal["device", "host"]
 DriftEvery = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
+Dim = Annotated[int, Field(gt=0)]
 
 
 class Sweep(Config):
@@ -64,6 +65,9 @@ class Sweep(Config):
     lookahead: list[Lookahead] = Field(["auto"], min_length=1)
     planner: list[Planner] = Field(["device"], min_length=1)
     drift_every: list[DriftEvery] = Field([0], min_length=1, description="the hot ids change every this many batches (0: never)")
+    dim: list[Dim | None] = Field(
+        [None], min_length=1, description="embedding dim: look-ahead auto's window is bounded by bytes as freqcache "
+                                          "bounds it (rows with rowwise-Adagrad state); null: no bound")
     drift_fraction: Fraction = Field(0.2, description="the share of hot ids remapped at each change")
     decay_every: int = Field(256, ge=0)
     profile_batches: int = Field(32, ge=0)
@@ -82,6 +86,7 @@ class Workload(Config):
     planner: Planner = "device"
     drift_every: DriftEvery = 0
     drift_fraction: Fraction = 0.0
+    dim: Dim | None = None
 
 
 def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
@@ -100,10 +105,14 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
     first, total = profile_batches, profile_batches + warmup_steps + steps
     capacity = max(1, min(w.rows, round(w.cache_ratio * w.rows)))
     batches = [batch_rows(i) for i in range(first)]
-    # The window as freqcache sizes it from the same profile (no cap on its bytes here).
-    lookahead, window_rows = window_size([len(np.unique(b)) for b in batches], capacity, w.batch_ids,
-                                         None if w.lookahead == "auto" else w.lookahead)
-    lookahead = min(lookahead, total - first)  # the planned batches: a window beyond them is memory for nothing
+    # The window as freqcache sizes it from the same profile (its bytes bounded only if dim is given),
+    # never beyond the planned batches: a window beyond them is memory for nothing.
+    distinct = [len(np.unique(b)) for b in batches]
+    if w.dim is None:
+        lookahead, window_rows = window_size(distinct, capacity, w.batch_ids, None if w.lookahead == "auto" else w.lookahead)
+    else:
+        lookahead, window_rows = cache_window(distinct, w.rows, capacity, w.batch_ids, (w.dim + 1) * 4, w.lookahead)
+    lookahead = min(lookahead, total - first)
     batches += [batch_rows(i) for i in range(first, total + lookahead)]
     if w.planner == "device":
         c = _drive_device(w, batches, capacity, lookahead, window_rows, first, total, warmup_steps, decay_every)
@@ -160,7 +169,7 @@ def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, lookahe
 
 def run_sweep(sweep: Sweep):
     """Each workload's result, as it is computed."""
-    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead", "planner", "drift_every")
+    keys = ("alpha", "rows", "cache_ratio", "batch_ids", "admission", "lookahead", "planner", "dim", "drift_every")
     for values in itertools.product(*(getattr(sweep, k) for k in keys)):
         w = Workload(**dict(zip(keys, values)), drift_fraction=sweep.drift_fraction if values[-1] else 0.0)
         yield simulate(w, sweep.decay_every, sweep.profile_batches, sweep.warmup_steps, sweep.steps,
@@ -169,19 +178,23 @@ def run_sweep(sweep: Sweep):
 
 def _summary(results: list[dict]) -> str:
     lines = []
-    for admission, lookahead, planner in sorted({(r["admission"], r["lookahead"], r["planner"]) for r in results}, key=str):
+    for admission, lookahead, planner, dim in sorted({(r["admission"], r["lookahead"], r["planner"], r["dim"]) for r in results},
+                                                     key=str):
         group = [r for r in results
-                 if (r["admission"], r["lookahead"], r["planner"]) == (admission, lookahead, planner)]
+                 if (r["admission"], r["lookahead"], r["planner"], r["dim"]) == (admission, lookahead, planner, dim)]
         u, a = [100 * r["unique_gap"] for r in group], [100 * r["gap"] for r in group]
-        lines.append(f"planner={planner} admission={admission} lookahead={lookahead}: {len(group)} workloads; points below Belady "
+        at_dim = "" if dim is None else f" dim={dim}"
+        lines.append(f"planner={planner} admission={admission} lookahead={lookahead}{at_dim}: {len(group)} workloads; points below Belady "
                      f"per distinct row median {statistics.median(u):.2f} worst {max(u):.2f}, "
                      f"per access median {statistics.median(a):.2f} worst {max(a):.2f}")
     return "\n".join(lines)
 
 
 def _ahead(r: dict) -> str:
-    """The look-ahead in batches, marked ``a`` where it was chosen automatically."""
-    return f"{r['lookahead_batches']}{'a' if r['lookahead'] == 'auto' else ''}"
+    """The look-ahead in batches, marked ``a`` where it was chosen automatically (``/dim`` where
+    the window's bytes were bounded for rows of that dim)."""
+    dim = "" if r.get("dim") is None else f"/{r['dim']}"
+    return f"{r['lookahead_batches']}{'a' if r['lookahead'] == 'auto' else ''}{dim}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,12 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = []
-    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>5} {'plan':>6} {'drift':>5} | "
+    print(f"{'alpha':>5} {'rows':>8} {'cache':>6} {'batch':>6} {'adm':>7} {'ahead':>8} {'plan':>6} {'drift':>5} | "
           f"{'hit':>6} {'MIN':>6} {'gap':>5} | {'uniq':>6} {'MIN':>6} {'gap':>5}")
     for r in run_sweep(sweep):
         results.append(r)
         print(f"{r['alpha']:5.2f} {r['rows']:8d} {r['cache_ratio']:6.3f} {r['batch_ids']:6d} {r['admission']:>7} "
-              f"{_ahead(r):>5} {r['planner']:>6} {r['drift_every']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
+              f"{_ahead(r):>8} {r['planner']:>6} {r['drift_every']:5d} | {100 * r['hit_rate']:6.2f} {100 * r['belady_hit_rate']:6.2f} "
               f"{100 * r['gap']:5.2f} | {100 * r['unique_hit_rate']:6.2f} {100 * r['belady_unique_hit_rate']:6.2f} "
               f"{100 * r['unique_gap']:5.2f}", flush=True)
     print(_summary(results))

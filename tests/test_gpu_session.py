@@ -1,0 +1,64 @@
+"""scripts/gpu_session.sh, the command a lent GPU runs: its rehearsal on the CPU (the same
+sequence at a tiny scale, CUDA-only cells recorded unsupported), and its budget."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_session  # noqa: E402
+
+
+def _archived(out: Path) -> dict[str, str]:
+    with tarfile.open(out / "session.tgz") as tar:
+        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+
+
+@pytest.mark.rehearsal
+def test_the_rehearsal_runs_the_session_s_sequence_on_the_cpu_and_archives_each_result(tmp_path):
+    """The CUDA tests (all skipped here, but every node must exist), the headline cells
+    (device and freqcache run, uvm_cache's recorded unsupported), the ledger, the archive."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "work"), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "scripts/gpu_session.sh", "--rehearse", "80"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ledger = (tmp_path / "out" / "ledger.txt").read_text()
+    assert "install" in ledger and "skipped (rehearsal)" in ledger
+    tests_line = next(line for line in ledger.splitlines() if line.startswith("CUDA tests"))
+    assert "exit 0" in tests_line, tests_line  # pytest exits 4 when a listed test does not exist
+    archived = _archived(tmp_path / "out")
+    records = {name.rsplit("/", 1)[-1]: text for name, text in archived.items()
+               if name.startswith("session/kaggle_alpha1.15/") and name.endswith("@w1.json")}
+    assert '"status": "ok"' in records["device@w1.json"]
+    pipelines = [text for name, text in records.items() if name.startswith("uvm_cache")]
+    assert len(pipelines) == 2 and all('"status": "unsupported"' in text for text in pipelines)
+    assert "session/ledger.txt" in archived and "session/cuda_tests.txt" in archived
+    for cell in ("device@w1", "freqcache[cache_ratio=0.015]@w1"):  # ran, or said why not
+        line = next(line for line in ledger.splitlines() if cell in line)
+        assert " ok, " in line or "not started: estimate" in line, line
+
+
+def test_no_cell_starts_when_its_estimate_exceeds_the_seconds_left(tmp_path, capsys):
+    assert gpu_session.main(["20", "--rehearse", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
+    ledger = (tmp_path / "out" / "ledger.txt").read_text()
+    assert "CUDA tests" in ledger and "not started: estimate 20 s >" in ledger
+    assert "not started, the budget spent: headline: Kaggle shape, cache 1.5 %" in ledger
+    assert not (tmp_path / "work" / "kaggle_alpha1.15").exists()  # no cell, no record
+    assert "session/ledger.txt" in _archived(tmp_path / "out")
+
+
+def test_the_priority_list_starts_with_the_headline_and_names_existing_scenarios():
+    items = gpu_session.priority_list()
+    assert items[0].scenario.name == "kaggle_headline.yaml" and items[0].run == "kaggle_alpha1.15"
+    assert all(item.scenario.exists() for item in items)
+    plan = gpu_session.plan_text().splitlines()
+    assert plan[0].startswith("headline: Kaggle shape, cache 1.5 %") and " 4 cells " in plan[0]
+    assert " 1 cells " in plan[1]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
