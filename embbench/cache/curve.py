@@ -1,0 +1,173 @@
+"""Cache curves: the hit rates of LRU, LFU and Belady's MIN against cache size, in one pass
+over an id stream (or one per size for MIN), vectorised with NumPy.
+
+Every policy here is a cache of whole rows in front of a batched lookup: a step's distinct
+rows are looked up against the cache as it was after the previous step (a step's repeated
+ids of a row share its fate), then the cache is updated. Hit rates are counted per access
+(each id) and per distinct row of each step (what a cache has to move).
+
+- **MIN** (:func:`min_hits`): after each step the cache keeps the rows whose next use comes
+  soonest, of rows next used together the one with more ids then (Belady with bypass, the
+  semantics of :func:`embbench.metrics.belady_hit_rates`). Rows with the same next use and
+  the same ids then have the same future, so the cache is a histogram over those *keys*, not
+  a set of rows: a step takes out the keys that end at it (its hits), adds its rows' next
+  keys, and keeps the ``capacity`` best. The work per step is the keys it touches plus the
+  steps ahead, whatever the capacity.
+- **LRU** and **LFU** keep the ``capacity`` rows ranked first by a key that only an access
+  changes (LRU: the step of the last use; LFU: the steps that used the row, then the last
+  one): stack algorithms (a smaller cache holds a subset of a larger one), so every size is
+  read off one pass over the stream as the rank of each accessed row (Mattson). Rows of
+  equal key (used in the same step) have no order: each is ranked at random among them,
+  and the hit rates are their exact expectation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["StepRows", "min_hits", "step_rows"]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """An id stream as the distinct rows of each step (ascending) and their ids, with each
+    (step, row)'s previous use (a step; -1: none) and next use (where it is in these arrays;
+    -1: none). One flat array each, step ``t`` at ``[start[t], start[t + 1])``."""
+
+    rows: np.ndarray
+    counts: np.ndarray
+    prev: np.ndarray
+    following: np.ndarray
+    start: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.start) - 1
+
+    def step(self, t: int) -> slice:
+        return slice(int(self.start[t]), int(self.start[t + 1]))
+
+    def step_of(self) -> np.ndarray:
+        """The step of each entry."""
+        return np.repeat(np.arange(self.num_steps, dtype=np.int64), np.diff(self.start))
+
+
+def _distinct(ids) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of ``ids`` (ascending) and how often each occurs."""
+    ids = np.sort(np.asarray(ids).reshape(-1))
+    first = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]])) if len(ids) else np.empty(0, np.int64)
+    return ids[first].astype(np.int64, copy=False), np.diff(np.append(first, len(ids)))
+
+
+def _by_row(rows: np.ndarray) -> np.ndarray:
+    """The indices of ``rows`` grouped by row, each row's in index order (so in step order)."""
+    bits = len(rows).bit_length()
+    if len(rows) and rows.min() >= 0 and int(rows.max()).bit_length() + bits <= 63:
+        packed = (rows << bits) | np.arange(len(rows))  # one plain sort of (row, index): 3-4x a stable argsort's speed
+        packed.sort()
+        return packed & ((1 << bits) - 1)
+    return np.argsort(rows, kind="stable")
+
+
+def step_rows(steps: list) -> StepRows:
+    """The :class:`StepRows` of a list of steps' ids (arrays of any shape and integer type)."""
+    uniques = [_distinct(s) for s in steps]
+    rows = np.concatenate([u for u, _ in uniques] + [np.empty(0, np.int64)])
+    counts = np.concatenate([c for _, c in uniques] + [np.empty(0, np.int64)])
+    start = np.concatenate([[0], np.cumsum([len(u) for u, _ in uniques], dtype=np.int64)])
+    order = _by_row(rows)
+    by_row = rows[order]
+    same = by_row[1:] == by_row[:-1]
+    earlier, later = order[:-1][same], order[1:][same]
+    following, prev = np.full(len(rows), -1, np.int64), np.full(len(rows), -1, np.int64)
+    following[earlier] = later
+    prev[later] = np.searchsorted(start, earlier, side="right") - 1
+    return StepRows(rows, counts, prev, following, start)
+
+
+class _MinKeys:
+    """The keys of one stream for :func:`min_hits`, shared by every capacity.
+
+    A key is (next use, ids then); key ``i`` ranks before ``i + 1`` (sooner, then more ids).
+    ``offset[e]:offset[e + 1]`` are the keys ending at step ``e`` (``e`` = the number of
+    steps: never used again, one key).
+    """
+
+    def __init__(self, s: StepRows):
+        num = s.num_steps
+        # Each entry's own key as a key's end: its step's counts, most ids first.
+        own = np.empty(len(s.rows), np.int64)
+        offset, value = [0], []
+        for e in range(num):
+            counts = s.counts[s.step(e)]
+            present = np.bincount(counts) > 0
+            more = np.cumsum(present[::-1])[::-1] - present  # present values above each
+            own[s.step(e)] = offset[-1] + more[counts]
+            value.append(np.flatnonzero(present)[::-1])
+            offset.append(offset[-1] + len(value[-1]))
+        value.append(np.zeros(1, np.int64))  # never used again: one key
+        self.offset = np.append(offset, offset[-1] + 1)
+        self.value = np.concatenate(value)
+        self.end = np.repeat(np.arange(num + 1), np.diff(self.offset))
+        self.key = np.full(len(s.rows), self.offset[num], np.int64)
+        again = s.following >= 0
+        self.key[again] = own[s.following[again]]
+        # What each step adds: its rows' keys (distinct, with how many rows), per end too.
+        self.adds = []
+        for t in range(num):
+            first = self.offset[t + 1]
+            many = np.bincount(self.key[s.step(t)] - first)
+            at = np.flatnonzero(many)
+            self.adds.append((at + first, many[at], np.bincount(self.end[at + first], many[at], num + 1).astype(np.int64)))
+
+
+def min_hits(s: StepRows, capacity: int, skip: int = 0, prefilled: bool = False,
+             keys: _MinKeys | None = None) -> tuple[int, int, int, int]:
+    """Belady's MIN with bypass on ``s`` at ``capacity`` rows (see the module docstring and
+    :func:`embbench.metrics.belady_hit_rates`): ``(hits, accesses, distinct hits, distinct
+    rows)`` over the steps from ``skip``. ``prefilled``: a row that finds a free slot hits.
+    ``keys``: the stream's keys, to share between capacities."""
+    k = keys or _MinKeys(s)
+    offset, value = k.offset, k.value
+    held = np.zeros(len(value), np.int64)  # surviving rows per key
+    per_end = np.zeros(s.num_steps + 1, np.int64)
+    size = top = 0  # rows held; every key from ``top`` on holds none
+    hits = accesses = distinct_hits = distinct = 0
+    for t in range(s.num_steps):
+        lo, hi = offset[t], offset[t + 1]
+        ending = int(per_end[t])
+        if t >= skip:
+            here = s.step(t)
+            hits += int(held[lo:hi] @ value[lo:hi])
+            distinct_hits += ending
+            accesses += int(s.counts[here].sum())
+            distinct += here.stop - here.start
+            if prefilled and size < capacity:  # every row seen is held: the new ones fill the free slots
+                new = here.start + np.flatnonzero(s.prev[here] == -1)
+                soonest = new[np.argsort(k.key[new], kind="stable")[: capacity - size]]
+                hits += int(s.counts[soonest].sum())
+                distinct_hits += len(soonest)
+        held[lo:hi] = 0
+        per_end[t] = 0
+        size -= ending
+        at, many, ends = k.adds[t]
+        held[at] += many
+        per_end += ends
+        size += int(many.sum())
+        if size > capacity:  # keep the best ``capacity``: cut at the key where they run out
+            cum = np.cumsum(per_end)
+            e = int(np.searchsorted(cum, capacity))
+            before = int(cum[e - 1]) if e else 0
+            inside = np.cumsum(held[offset[e] : offset[e + 1]])
+            j = int(np.searchsorted(inside, capacity - before))
+            cut = offset[e] + j
+            held[cut] = capacity - before - (int(inside[j - 1]) if j else 0)
+            held[cut + 1 : max(top, cut + 1)] = 0
+            held[at[at > cut]] = 0
+            per_end[e], per_end[e + 1 :] = capacity - before, 0
+            size, top = capacity, cut + 1
+        elif len(at):
+            top = max(top, int(at[-1]) + 1)
+    return hits, accesses, distinct_hits, distinct

@@ -1,0 +1,83 @@
+"""Cache curves (embbench.cache.curve): each policy's vectorised pass against a direct
+simulation of the same policy, one row at a time."""
+
+import heapq
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from embbench.cache.curve import min_hits, step_rows
+from embbench.metrics import belady_hit_rates
+
+
+def reference_belady(steps: list[torch.Tensor], capacity: int, skip: int = 0,
+                     prefilled: bool = False) -> tuple[float | None, float | None]:
+    """embbench.metrics.belady_hit_rates as it was written first: a heap of ranked rows,
+    one row at a time (the reference of the vectorised one)."""
+    unique_counts = []
+    for ids in steps:
+        rows, counts = torch.unique(ids, return_counts=True)
+        unique_counts.append(dict(zip(rows.tolist(), counts.tolist())))
+    # A row's rank after each step: (when it is next used, minus its ids then); lower is kept.
+    never = (len(steps), 0)
+    next_use: list[dict[int, tuple[int, int]]] = [{} for _ in steps]
+    upcoming: dict[int, tuple[int, int]] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        for row, count in unique_counts[t].items():
+            next_use[t][row] = upcoming.get(row, never)
+            upcoming[row] = (t, -count)
+    cached: dict[int, tuple[int, int]] = {}  # row -> its rank
+    heap: list[tuple[int, int, int]] = []  # (minus the rank, row): the worst on top; stale entries are skipped
+    hits = accesses = distinct_hits = distinct = 0
+    for t, rows in enumerate(unique_counts):
+        counted = t >= skip
+        distinct += len(rows) if counted else 0
+        missing: list[int] = []
+        for row, count in rows.items():
+            accesses += count if counted else 0
+            if row in cached:
+                hits += count if counted else 0
+                distinct_hits += counted
+                when, more = cached[row] = next_use[t][row]
+                heapq.heappush(heap, (-when, -more, row))
+            else:
+                missing.append(row)
+        # After the step the cache keeps the best-ranked rows: admit a missing row only in
+        # place of a cached one ranked worse (or into a free slot).
+        for row in sorted(missing, key=lambda r: next_use[t][r]):
+            if len(cached) < capacity and prefilled and counted:
+                hits += rows[row]
+                distinct_hits += 1
+            if len(cached) >= capacity:
+                while cached.get(heap[0][2]) != (-heap[0][0], -heap[0][1]):
+                    heapq.heappop(heap)  # stale
+                if (-heap[0][0], -heap[0][1]) <= next_use[t][row]:
+                    continue
+                del cached[heapq.heappop(heap)[2]]
+            when, more = cached[row] = next_use[t][row]
+            heapq.heappush(heap, (-when, -more, row))
+    if not accesses:
+        return None, None
+    return hits / accesses, distinct_hits / distinct
+
+
+@st.composite
+def id_streams(draw, max_steps: int = 10):
+    """Steps of ids from a small pool (rows recur, often with several ids in a step)."""
+    pool = draw(st.integers(1, 12))
+    return [draw(st.lists(st.integers(0, pool - 1), min_size=0, max_size=8)) for _ in range(draw(st.integers(1, max_steps)))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(id_streams(), st.integers(1, 10), st.integers(0, 4), st.booleans())
+def test_belady_equals_the_reference(steps, capacity, skip, prefilled):
+    stream = [torch.tensor(s, dtype=torch.long) for s in steps]
+    assert belady_hit_rates(stream, capacity, skip, prefilled) == reference_belady(stream, capacity, skip, prefilled)
+
+
+def test_belady_counts_on_a_known_stream():
+    s = step_rows([np.array([1, 2]), np.array([3, 1]), np.array([2, 3]), np.array([1, 1])])
+    assert min_hits(s, 2) == (3, 8, 3, 7)
+    assert min_hits(s, 0) == (0, 8, 0, 7)  # a cache of nothing hits nothing
