@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from embbench.cache.curve import min_hits, step_rows
+from embbench.cache.curve import min_hits, stack_hits, step_rows
 from embbench.metrics import belady_hit_rates
 
 
@@ -81,3 +81,52 @@ def test_belady_counts_on_a_known_stream():
     s = step_rows([np.array([1, 2]), np.array([3, 1]), np.array([2, 3]), np.array([1, 1])])
     assert min_hits(s, 2) == (3, 8, 3, 7)
     assert min_hits(s, 0) == (0, 8, 0, 7)  # a cache of nothing hits nothing
+
+
+def direct_stack_policy(steps: list[list[int]], capacity: int, policy: str, order: dict[int, int]) -> tuple[int, int]:
+    """LRU (an ordered cache: a step's rows move to the end, ``order`` ascending, the front
+    is evicted) or LFU (after each step the cache keeps the best of itself and the step's
+    rows by uses so far, last use, ``order``), one row at a time: (hits, distinct hits)."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    uses: dict[int, int] = {}
+    last: dict[int, int] = {}
+    hits = distinct_hits = 0
+    for t, ids in enumerate(steps):
+        rows = sorted(set(ids), key=order.__getitem__)
+        for row in rows:
+            if row in cache:
+                hits += ids.count(row)
+                distinct_hits += 1
+        for row in rows:
+            uses[row] = uses.get(row, 0) + 1
+            last[row] = t
+        if policy == "lru":
+            for row in rows:
+                cache.pop(row, None)
+                cache[row] = None
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+        else:
+            best = sorted(set(cache) | set(rows), key=lambda r: (uses[r], last[r], order[r]), reverse=True)
+            cache = OrderedDict.fromkeys(best[:capacity])
+    return hits, distinct_hits
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), max_size=5), min_size=1, max_size=6), st.sampled_from(["lru", "lfu"]))
+def test_stack_distances_equal_a_direct_simulation(steps, policy):
+    """The one-pass curve is the exact mean over every order of tied rows of the direct
+    simulation with that order, at every capacity."""
+    import itertools
+    from fractions import Fraction
+
+    rows = sorted(set().union(*map(set, steps)))
+    capacities = list(range(0, len(rows) + 2))
+    hits, distinct_hits = stack_hits(step_rows([np.array(s, dtype=np.int64) for s in steps]), capacities, policy)
+    orders = list(itertools.permutations(range(len(rows))))
+    for i, capacity in enumerate(capacities):
+        runs = [direct_stack_policy(steps, capacity, policy, dict(zip(rows, o))) for o in orders]
+        assert hits[i] == pytest.approx(float(Fraction(sum(h for h, _ in runs), len(runs))), abs=1e-9)
+        assert distinct_hits[i] == pytest.approx(float(Fraction(sum(d for _, d in runs), len(runs))), abs=1e-9)

@@ -27,19 +27,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["StepRows", "min_hits", "step_rows"]
+__all__ = ["StepRows", "min_hits", "stack_hits", "step_rows"]
 
 
 @dataclass(frozen=True)
 class StepRows:
     """An id stream as the distinct rows of each step (ascending) and their ids, with each
-    (step, row)'s previous use (a step; -1: none) and next use (where it is in these arrays;
-    -1: none). One flat array each, step ``t`` at ``[start[t], start[t + 1])``."""
+    (step, row)'s previous use (a step; -1: none), next use (where it is in these arrays;
+    -1: none) and number (the row's first step is 1). One flat array each, step ``t`` at
+    ``[start[t], start[t + 1])``."""
 
     rows: np.ndarray
     counts: np.ndarray
     prev: np.ndarray
     following: np.ndarray
+    nth: np.ndarray
     start: np.ndarray
 
     @property
@@ -52,6 +54,17 @@ class StepRows:
     def step_of(self) -> np.ndarray:
         """The step of each entry."""
         return np.repeat(np.arange(self.num_steps, dtype=np.int64), np.diff(self.start))
+
+    def select(self, keep: np.ndarray) -> "StepRows":
+        """The entries where ``keep`` (a mask that keeps every use of a row it keeps, e.g.
+        one table's rows)."""
+        index = np.cumsum(keep) - 1
+        following = self.following[keep]
+        again = following >= 0
+        following[again] = index[following[again]]
+        sizes = np.bincount(self.step_of()[keep], minlength=self.num_steps)
+        return StepRows(self.rows[keep], self.counts[keep], self.prev[keep], following, self.nth[keep],
+                        np.concatenate([[0], np.cumsum(sizes)]))
 
 
 def _distinct(ids) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +97,11 @@ def step_rows(steps: list) -> StepRows:
     following, prev = np.full(len(rows), -1, np.int64), np.full(len(rows), -1, np.int64)
     following[earlier] = later
     prev[later] = np.searchsorted(start, earlier, side="right") - 1
-    return StepRows(rows, counts, prev, following, start)
+    # The number of each use of a row: its place in the row's run of the sorted order.
+    run_start = np.flatnonzero(np.concatenate([[True], ~same]))
+    nth = np.empty(len(rows), np.int64)
+    nth[order] = np.arange(len(rows)) - np.repeat(run_start, np.diff(np.append(run_start, len(rows)))) + 1
+    return StepRows(rows, counts, prev, following, nth, start)
 
 
 class _MinKeys:
@@ -171,3 +188,49 @@ def min_hits(s: StepRows, capacity: int, skip: int = 0, prefilled: bool = False,
         elif len(at):
             top = max(top, int(at[-1]) + 1)
     return hits, accesses, distinct_hits, distinct
+
+
+def stack_hits(s: StepRows, capacities, policy: str, skip: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The expected hits and distinct hits of LRU or LFU (``policy``) at each of
+    ``capacities`` rows, counted over the steps from ``skip``, from an empty cache.
+
+    LRU keeps the rows last used latest; LFU the rows used in the most steps so far, then
+    the ones last used latest. A row is hit where fewer than ``capacity`` rows rank above it
+    after the previous step; rows of equal rank (used in the same steps) are ordered at
+    random, so a row ranked among ``group`` of them after ``above`` others is hit with
+    probability ``clip(capacity - above, 0, group) / group``.
+    """
+    capacities = np.asarray(capacities, dtype=np.float64)[:, None]
+    num = s.num_steps
+    lfu = policy == "lfu"
+    if policy not in ("lru", "lfu"):
+        raise ValueError(f"stack_hits: policy {policy!r} is not lru or lfu")
+    # Rows per rank class: LRU by the step of the last use; LFU by (uses so far, last use).
+    held = np.zeros((num + 1, num) if lfu else num, np.int64)
+    hits, distinct_hits = np.zeros(len(capacities)), np.zeros(len(capacities))
+    for t in range(num):
+        here = s.step(t)
+        prev, uses = s.prev[here], s.nth[here] - 1  # uses before this step
+        again = prev >= 0
+        last, used = prev[again], uses[again]
+        if t >= skip and len(last):
+            if lfu:
+                block = held[: t + 1, :t]
+                per_uses = block.sum(1)
+                more_uses = np.cumsum(per_uses[::-1])[::-1] - per_uses
+                later = np.cumsum(block[:, ::-1], axis=1)[:, ::-1] - block
+                above, group = more_uses[used] + later[used, last], block[used, last]
+            else:
+                recent = held[:t]
+                later = np.cumsum(recent[::-1])[::-1] - recent
+                above, group = later[last], recent[last]
+            share = np.clip(capacities - above, 0, group) / group
+            hits += share @ s.counts[here][again].astype(np.float64)
+            distinct_hits += share.sum(1)
+        if lfu:
+            np.subtract.at(held, (used, last), 1)
+            held[:, t] += np.bincount(uses + 1, minlength=num + 1)
+        else:
+            held[:t] -= np.bincount(last, minlength=t)
+            held[t] = here.stop - here.start
+    return hits, distinct_hits
