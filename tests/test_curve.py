@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from embbench.cache.curve import min_hits, stack_hits, step_rows
+from embbench.cache.curve import freqcache_policy, measure, min_hits, stack_hits, step_rows, to_csv
 from embbench.metrics import belady_hit_rates
 
 
@@ -130,3 +130,56 @@ def test_stack_distances_equal_a_direct_simulation(steps, policy):
         runs = [direct_stack_policy(steps, capacity, policy, dict(zip(rows, o))) for o in orders]
         assert hits[i] == pytest.approx(float(Fraction(sum(h for h, _ in runs), len(runs))), abs=1e-9)
         assert distinct_hits[i] == pytest.approx(float(Fraction(sum(d for _, d in runs), len(runs))), abs=1e-9)
+
+
+def _two_tables(steps: int = 12, seed: int = 0) -> list[np.ndarray]:
+    """Global rows of a skewed stream over two tables (40 and 15 rows)."""
+    rng = np.random.default_rng(seed)
+    return [np.concatenate([rng.zipf(1.4, 30) % 40, 40 + rng.zipf(1.2, 30) % 15]) for _ in range(steps)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 6))
+def test_min_of_the_curve_equals_belady_and_bounds_the_others(seed, skip):
+    steps = _two_tables(seed=seed)
+    ratios = (0.02, 0.1, 0.3, 1.0)
+    curve = measure(steps, {"a": 40, "b": 15}, ratios, ("lru", "lfu", "min"), skip=skip)
+    for scope in curve["scopes"]:
+        lo, hi = {"all": (0, 55), "a": (0, 40), "b": (40, 55)}[scope["name"]]
+        stream = [torch.from_numpy(s[(s >= lo) & (s < hi)]) for s in steps]
+        line = scope["policies"]["min"]
+        for i, capacity in enumerate(scope["capacity"]):
+            assert (line["hit_rate"][i], line["unique_hit_rate"][i]) == belady_hit_rates(stream, capacity, skip)
+            for other in ("lru", "lfu"):  # MIN is the optimum per distinct row
+                assert scope["policies"][other]["unique_hit_rate"][i] <= line["unique_hit_rate"][i] + 1e-12
+        for policy in ("lru", "lfu", "min"):  # a larger cache holds what a smaller one does
+            assert np.all(np.diff(scope["policies"][policy]["unique_hit_rate"]) >= -1e-12)
+
+
+def test_freqcache_point_equals_the_sweep():
+    """freqcache's point is the sweep's measurement of the same stream (and MIN's, beside it,
+    the sweep's bound)."""
+    from embbench.cache.sweep import Workload, simulate
+
+    steps = _two_tables(steps=30, seed=3)
+    rows = lambda i: steps[i]  # noqa: E731
+    point = freqcache_policy(rows, 55, 60, profile_batches=4, warmup_steps=2, steps=8)
+    curve = measure(steps[:14], {"a": 40, "b": 15}, (0.1, 0.3), ("freqcache", "min"), skip=6,
+                    freqcache=point, freqcache_ratios=(0.3,))
+    swept = simulate(Workload(alpha=0.0, rows=55, cache_ratio=0.3, batch_ids=60), profile_batches=4, warmup_steps=2,
+                     steps=8, batch_rows=rows)
+    everything = curve["scopes"][0]
+    assert everything["policies"]["freqcache"]["hit_rate"] == [None, pytest.approx(swept["hit_rate"])]
+    assert everything["policies"]["freqcache"]["unique_hit_rate"][1] == pytest.approx(swept["unique_hit_rate"])
+    assert everything["policies"]["min"]["hit_rate"][1] == pytest.approx(swept["belady_hit_rate"])
+    assert curve["scopes"][1]["policies"]["freqcache"]["hit_rate"] == [None, None]  # freqcache holds one cache
+
+
+def test_curve_csv_has_a_line_per_scope_policy_and_ratio():
+    curve = measure(_two_tables(), {"a": 40, "b": 15}, (0.1, 0.5), ("lru", "min"), skip=2, row_bytes=64)
+    lines = to_csv(curve).splitlines()
+    assert lines[0] == "scope,rows,policy,ratio,capacity_rows,hit_rate,unique_hit_rate,rows_moved_per_step,bytes_per_step"
+    assert len(lines) == 1 + 3 * 2 * 2
+    scope, rows, policy, ratio, capacity, *_, moved, moved_bytes = lines[1].split(",")
+    assert (scope, rows, policy, ratio, capacity) == ("all", "55", "lru", "0.1", "6")
+    assert float(moved_bytes) == pytest.approx(2 * 64 * float(moved))

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["StepRows", "min_hits", "stack_hits", "step_rows"]
+__all__ = ["CURVE_FORMAT", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "freqcache_policy", "measure", "min_hits",
+           "stack_hits", "step_rows", "to_csv"]
 
 
 @dataclass(frozen=True)
@@ -234,3 +235,119 @@ def stack_hits(s: StepRows, capacities, policy: str, skip: int = 0) -> tuple[np.
             held[:t] -= np.bincount(last, minlength=t)
             held[t] = here.stop - here.start
     return hits, distinct_hits
+
+
+#: Default cache sizes: 12 ratios of the rows, log-spaced from 0.1 % to 20 %.
+DEFAULT_RATIOS = tuple(round(float(r), 6) for r in np.geomspace(0.001, 0.2, 12))
+#: The policies of a curve, in the order they are shown.
+POLICIES = ("lru", "lfu", "freqcache", "min")
+CURVE_FORMAT = "embbench-curve-1"
+
+
+def capacity_of(ratio: float, rows: int) -> int:
+    """Cache rows for a ratio of ``rows``, as the sweep sizes freqcache's cache."""
+    return max(1, min(rows, round(ratio * rows)))
+
+
+def _rates(hits, distinct_hits, accesses: int, distinct: int, steps: int, row_bytes: int) -> dict[str, list]:
+    """A policy's line of a curve: hit rates, and the rows (and bytes, in and out: a step
+    updates every row it uses) a step moves for its distinct misses."""
+    hits, distinct_hits = np.asarray(hits, np.float64), np.asarray(distinct_hits, np.float64)
+    moved = (distinct - distinct_hits) / max(1, steps)
+    return {"hit_rate": (hits / max(1, accesses)).tolist(), "unique_hit_rate": (distinct_hits / max(1, distinct)).tolist(),
+            "rows_moved_per_step": moved.tolist(), "bytes_per_step": (2 * row_bytes * moved).tolist()}
+
+
+def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_RATIOS, policies=POLICIES,
+            skip: int = 0, row_bytes: int = 0, freqcache=None, freqcache_ratios=()) -> dict:
+    """The cache curves of an id stream: every policy's hit rates at each ratio of the rows,
+    for all tables together (one cache of ``ratio`` of all rows, as freqcache holds) and for
+    each table alone (``ratio`` of its rows).
+
+    Args:
+        steps: each step's global rows (table ``i``'s rows follow table ``i - 1``'s, in the
+            order of ``table_rows``).
+        table_rows: each table's name and rows.
+        skip: steps simulated before the counted ones (every policy starts empty).
+        row_bytes: bytes of a row and its optimizer state (what a miss moves each way).
+        freqcache: ``ratio -> (hit rate, unique hit rate)`` of freqcache's policy over the same
+            counted steps (all tables together only: freqcache holds one cache), measured at
+            ``freqcache_ratios``.
+    """
+    counted = len(steps) - skip
+    if counted <= 0:
+        raise ValueError(f"a curve needs counted steps: {len(steps)} steps, {skip} of them before counting")
+    everything = step_rows(steps)
+    starts = np.cumsum([0] + list(table_rows.values()))
+    table_of = np.searchsorted(starts, everything.rows, side="right") - 1
+    scopes = [("all", int(starts[-1]), everything)] + [
+        (name, rows, everything.select(table_of == i)) for i, (name, rows) in enumerate(table_rows.items())]
+    out = {"format": CURVE_FORMAT, "ratios": list(ratios), "policies": list(policies), "row_bytes": row_bytes,
+           "warmup_steps": skip, "counted_steps": counted, "tables": dict(table_rows), "scopes": []}
+    for name, rows, s in scopes:
+        window = slice(int(s.start[skip]), int(s.start[-1]))
+        accesses, distinct = int(s.counts[window].sum()), window.stop - window.start
+        capacities = [capacity_of(r, rows) for r in ratios]
+        lines: dict[str, dict] = {}
+        for policy in policies:
+            if policy in ("lru", "lfu"):
+                lines[policy] = _rates(*stack_hits(s, capacities, policy, skip), accesses, distinct, counted, row_bytes)
+            elif policy == "min":
+                keys = _MinKeys(s)
+                runs = [min_hits(s, c, skip, keys=keys) for c in capacities]
+                lines[policy] = _rates([r[0] for r in runs], [r[2] for r in runs], accesses, distinct, counted, row_bytes)
+            elif policy == "freqcache":
+                lines[policy] = _freqcache_line(freqcache if name == "all" else None, ratios, freqcache_ratios,
+                                                accesses, distinct, counted, row_bytes)
+            else:
+                raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+        out["scopes"].append({"name": name, "rows": rows, "accesses": accesses, "distinct": distinct,
+                              "capacity": capacities, "policies": lines})
+    return out
+
+
+def _freqcache_line(freqcache, ratios, measured, accesses: int, distinct: int, steps: int, row_bytes: int) -> dict:
+    """freqcache's points (None where not measured: every table alone, ratios not asked for)."""
+    line: dict[str, list] = {k: [None] * len(ratios) for k in ("hit_rate", "unique_hit_rate", "rows_moved_per_step", "bytes_per_step")}
+    for i, ratio in enumerate(ratios):
+        if freqcache is None or ratio not in measured:
+            continue
+        hit, unique = freqcache(ratio)
+        point = _rates([hit * accesses], [unique * distinct], accesses, distinct, steps, row_bytes)
+        for k in line:
+            line[k][i] = point[k][0]
+    return line
+
+
+def freqcache_policy(batch_rows, num_rows: int, batch_ids: int, profile_batches: int, warmup_steps: int, steps: int,
+                     seed: int = 0):
+    """``ratio -> (hit rate, unique hit rate)`` of freqcache's planner at its defaults (device
+    planner, TinyLFU admission, automatic look-ahead) on a stream, driven by
+    :func:`embbench.cache.sweep.simulate` exactly as the sweep drives it. ``batch_rows(i)``:
+    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead)."""
+    from embbench.cache.sweep import Workload, simulate
+
+    def point(ratio: float) -> tuple[float, float]:
+        w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
+        r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
+                     batch_rows=batch_rows)
+        return r["hit_rate"], r["unique_hit_rate"]
+
+    return point
+
+
+def to_csv(curve: dict) -> str:
+    """One line per (scope, policy, ratio): the curve as a spreadsheet reads it."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    fields = ("hit_rate", "unique_hit_rate", "rows_moved_per_step", "bytes_per_step")
+    writer.writerow(("scope", "rows", "policy", "ratio", "capacity_rows") + fields)
+    for scope in curve["scopes"]:
+        for policy, line in scope["policies"].items():
+            for i, ratio in enumerate(curve["ratios"]):
+                writer.writerow((scope["name"], scope["rows"], policy, ratio, scope["capacity"][i])
+                                + tuple("" if line[f][i] is None else line[f][i] for f in fields))
+    return buffer.getvalue()
