@@ -307,6 +307,42 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curve(args: argparse.Namespace) -> int:
+    from embbench.cache.curve import CURVE_FORMAT, to_csv
+    from embbench.cache.curve_scenario import curve_tables, scenario_curve
+
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.suffix not in (".json", ".csv"):
+            raise ValueError(f"--out {out}: give a .json or .csv file name")
+        claim_output(out, "--out", "embbench curve", lambda path: head_has(path, CURVE_FORMAT.encode())
+                     or head_has(path, b"scope,rows,policy,ratio"), args.overwrite)
+    scenario, _ = load_scenario(args.scenario, scale=args.scale)
+    _prepare_data(args.scenario, scenario, _data_cache(args))
+    curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes)
+    for shown in curve_tables(curve):
+        console.print(shown)
+    if out is not None:
+        out.write_text(to_csv(curve) if out.suffix == ".csv" else json.dumps(curve, indent=1))
+        console.print(Text(f"{out}: every size, policy and table"))
+    return 0
+
+
+def _ratios(text: str) -> list[float]:
+    """``--sizes 0.001,0.01``: cache ratios in (0, 1]."""
+    return sorted({_positive(float, at_most=1)(item) for item in text.split(",")})
+
+
+def _policies(text: str) -> list[str]:
+    from embbench.cache.curve import POLICIES
+
+    names = _names(text)
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    return [p for p in POLICIES if p in names]
+
+
 def _type_name(annotation) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
@@ -572,6 +608,28 @@ def _add_data_commands(sub) -> None:
     record.set_defaults(func=cmd_trace_record)
 
 
+def _add_curve_command(sub) -> None:
+    from embbench.cache.curve import DEFAULT_RATIOS, POLICIES
+
+    curve = sub.add_parser("curve", help="hit rate against cache size of LRU, LFU, freqcache and Belady's MIN on a "
+                                         "scenario's training ids, per table and all together")
+    curve.add_argument("scenario", help="scenario YAML file (its data section: synthetic, Criteo files or a trace)")
+    curve.add_argument("--sizes", type=_ratios, default=list(DEFAULT_RATIOS), metavar="R,R,...",
+                       help="cache sizes as ratios of the rows (default 12 from 0.001 to 0.2, log-spaced)")
+    curve.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="P,P,...",
+                       help=f"any of {','.join(POLICIES)} (default all)")
+    curve.add_argument("--freqcache-sizes", type=_ratios, metavar="R,R,...",
+                       help="where freqcache's planner is driven, a simulation each (default the smallest, middle and largest size)")
+    curve.add_argument("--warmup", type=_positive(int, zero=True), default=48,
+                       help="training batches simulated before counting (default 48: freqcache's 32 profiled and 16 warm-up)")
+    curve.add_argument("--steps", type=_positive(int), default=64, help="training batches counted (default 64)")
+    curve.add_argument("--out", help="also write every size, policy and table: a .json or .csv file")
+    curve.add_argument("--overwrite", action="store_true", help="replace an existing --out that is not a curve (never a record)")
+    curve.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
+    curve.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
+    curve.set_defaults(func=cmd_curve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embbench", description="Benchmark embedding-table placement strategies.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -603,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")
     _add_view_flags(show, RESULT_COLUMNS, export)
     show.set_defaults(func=cmd_show)
+    _add_curve_command(sub)
     rec = sub.add_parser("recommend", help="the fastest measured placement that fits a memory budget, and why not the others")
     rec.add_argument("run", help="a run directory")
     rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")

@@ -183,3 +183,62 @@ def test_curve_csv_has_a_line_per_scope_policy_and_ratio():
     scope, rows, policy, ratio, capacity, *_, moved, moved_bytes = lines[1].split(",")
     assert (scope, rows, policy, ratio, capacity) == ("all", "55", "lru", "0.1", "6")
     assert float(moved_bytes) == pytest.approx(2 * 64 * float(moved))
+
+
+def _tiny_scenario(tmp_path, **data) -> "Path":
+    import yaml
+
+    raw = {"name": "tiny", "data": {"preset": "criteo_kaggle", "scale": 0.0002, "embedding_dim": 16, "batch_size": 64, **data},
+           "run": {"device": "cpu"}, "baseline": "device", "strategies": [{"name": "device"}]}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``embbench ARGS`` in this process: (exit status, stdout, stderr)."""
+    from embbench.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse refusing a flag
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_curve_command_prints_the_table_and_writes_json_and_csv(tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("COLUMNS", "200")
+    scenario = _tiny_scenario(tmp_path)
+    out = tmp_path / "curve.json"
+    code, stdout, stderr = _cli(capsys, "curve", str(scenario), "--warmup", "4", "--steps", "6", "--sizes", "0.01,0.1,0.5",
+                                "--policies", "min,lru,freqcache", "--freqcache-sizes", "0.1", "--out", str(out))
+    assert code == 0, stderr
+    assert "LRU" in stdout and "MIN" in stdout and "worst tables" in stdout
+    curve = json.loads(out.read_text())
+    assert curve["format"] == "embbench-curve-1" and curve["ratios"] == [0.01, 0.1, 0.5]
+    assert curve["policies"] == ["lru", "freqcache", "min"] and len(curve["scopes"]) == 27
+    assert curve["scopes"][0]["policies"]["freqcache"]["hit_rate"][1] is not None
+    code, _, stderr = _cli(capsys, "curve", str(scenario), "--out", str(tmp_path / "curve.txt"))
+    assert code == 2 and "--out" in stderr and ".json or .csv" in stderr
+    csv_out = tmp_path / "curve.csv"
+    code, _, stderr = _cli(capsys, "curve", str(scenario), "--warmup", "4", "--steps", "6", "--sizes", "0.01,0.1,0.5",
+                           "--policies", "lru,min", "--out", str(csv_out))
+    assert code == 0, stderr
+    assert csv_out.read_text().splitlines()[1].startswith("all,")
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    code, _, stderr = _cli(capsys, "curve", str(scenario), "--policies", "lru", "--out", str(other))
+    assert code == 2 and f"--out {other}: exists and was not made by `embbench curve`" in stderr
+
+
+def test_curve_command_rejects_bad_input_naming_it(tmp_path, capsys):
+    scenario = _tiny_scenario(tmp_path, batch_sise=64)
+    code, _, stderr = _cli(capsys, "curve", str(scenario))
+    assert code == 2 and f"{scenario}: data.batch_sise: unknown key" in stderr
+    code, _, stderr = _cli(capsys, "curve", str(_tiny_scenario(tmp_path)), "--policies", "lru,arc")
+    assert code == 2 and "--policies: unknown policy arc" in stderr
+    code, _, stderr = _cli(capsys, "curve", str(_tiny_scenario(tmp_path)), "--sizes", "0.1,2")
+    assert code == 2 and "--sizes: must be at most 1" in stderr
