@@ -56,16 +56,25 @@ class StepRows:
         """The step of each entry."""
         return np.repeat(np.arange(self.num_steps, dtype=np.int64), np.diff(self.start))
 
-    def select(self, keep: np.ndarray) -> "StepRows":
-        """The entries where ``keep`` (a mask that keeps every use of a row it keeps, e.g.
-        one table's rows)."""
-        index = np.cumsum(keep) - 1
-        following = self.following[keep]
+    def split(self, group: np.ndarray, groups: int) -> list["StepRows"]:
+        """The entries of each group (``group``: each entry's, in ``[0, groups)``; all uses
+        of a row in one group, e.g. its table)."""
+        steps = self.num_steps
+        order = np.argsort(group, kind="stable")  # by group, each group's entries in step order
+        where = np.empty(len(order), np.int64)
+        where[order] = np.arange(len(order))
+        sizes = np.bincount(group * steps + self.step_of(), minlength=groups * steps).reshape(groups, steps)
+        first = np.concatenate([[0], np.cumsum(sizes.sum(1))])
+        following = self.following[order]
         again = following >= 0
-        following[again] = index[following[again]]
-        sizes = np.bincount(self.step_of()[keep], minlength=self.num_steps)
-        return StepRows(self.rows[keep], self.counts[keep], self.prev[keep], following, self.nth[keep],
-                        np.concatenate([[0], np.cumsum(sizes)]))
+        following[again] = where[following[again]]
+        rows, counts, prev, nth = (a[order] for a in (self.rows, self.counts, self.prev, self.nth))
+        parts = []
+        for g in range(groups):
+            part = slice(int(first[g]), int(first[g + 1]))
+            parts.append(StepRows(rows[part], counts[part], prev[part], following[part] - first[g], nth[part],
+                                  np.concatenate([[0], np.cumsum(sizes[g])])))
+        return parts
 
 
 def _distinct(ids) -> tuple[np.ndarray, np.ndarray]:
@@ -99,9 +108,9 @@ def step_rows(steps: list) -> StepRows:
     following[earlier] = later
     prev[later] = np.searchsorted(start, earlier, side="right") - 1
     # The number of each use of a row: its place in the row's run of the sorted order.
-    run_start = np.flatnonzero(np.concatenate([[True], ~same]))
+    place = np.arange(len(rows))
     nth = np.empty(len(rows), np.int64)
-    nth[order] = np.arange(len(rows)) - np.repeat(run_start, np.diff(np.append(run_start, len(rows)))) + 1
+    nth[order] = place - np.maximum.accumulate(np.where(np.concatenate([[True], ~same]), place, 0)) + 1
     return StepRows(rows, counts, prev, following, nth, start)
 
 
@@ -201,39 +210,33 @@ def stack_hits(s: StepRows, capacities, policy: str, skip: int = 0) -> tuple[np.
     random, so a row ranked among ``group`` of them after ``above`` others is hit with
     probability ``clip(capacity - above, 0, group) / group``.
     """
-    capacities = np.asarray(capacities, dtype=np.float64)[:, None]
-    num = s.num_steps
-    lfu = policy == "lfu"
     if policy not in ("lru", "lfu"):
         raise ValueError(f"stack_hits: policy {policy!r} is not lru or lfu")
-    # Rows per rank class: LRU by the step of the last use; LFU by (uses so far, last use).
-    held = np.zeros((num + 1, num) if lfu else num, np.int64)
+    capacities = np.asarray(capacities, dtype=np.float64)[:, None]
+    num = s.num_steps
+    # Rows per rank class, the higher the better: LRU's the step of the last use; LFU's
+    # (steps used so far, last one) as ``uses * num + last``.
+    lfu = policy == "lfu"
+    held = np.zeros((num + 1) * num if lfu else num, np.int64)
     hits, distinct_hits = np.zeros(len(capacities)), np.zeros(len(capacities))
     for t in range(num):
         here = s.step(t)
         prev, uses = s.prev[here], s.nth[here] - 1  # uses before this step
         again = prev >= 0
-        last, used = prev[again], uses[again]
-        if t >= skip and len(last):
-            if lfu:
-                block = held[: t + 1, :t]
-                per_uses = block.sum(1)
-                more_uses = np.cumsum(per_uses[::-1])[::-1] - per_uses
-                later = np.cumsum(block[:, ::-1], axis=1)[:, ::-1] - block
-                above, group = more_uses[used] + later[used, last], block[used, last]
-            else:
-                recent = held[:t]
-                later = np.cumsum(recent[::-1])[::-1] - recent
-                above, group = later[last], recent[last]
+        rank = (uses * num + prev)[again] if lfu else prev[again]
+        span = (t + 1) * num if lfu else t  # every class held so far is below
+        if t >= skip and len(rank):
+            rows_at = np.bincount(rank, minlength=span)
+            ids_at = np.bincount(rank, s.counts[here][again], minlength=span)
+            at = np.flatnonzero(rows_at)
+            cum = np.cumsum(held[:span])
+            above, group = cum[-1] - cum[at], held[at]
             share = np.clip(capacities - above, 0, group) / group
-            hits += share @ s.counts[here][again].astype(np.float64)
-            distinct_hits += share.sum(1)
-        if lfu:
-            np.subtract.at(held, (used, last), 1)
-            held[:, t] += np.bincount(uses + 1, minlength=num + 1)
-        else:
-            held[:t] -= np.bincount(last, minlength=t)
-            held[t] = here.stop - here.start
+            hits += share @ ids_at[at]
+            distinct_hits += share @ rows_at[at]
+        held[:span] -= np.bincount(rank, minlength=span)
+        new = s.nth[here] * num + t if lfu else np.full(here.stop - here.start, t)
+        held += np.bincount(new, minlength=len(held))
     return hits, distinct_hits
 
 
@@ -280,8 +283,8 @@ def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_
     everything = step_rows(steps)
     starts = np.cumsum([0] + list(table_rows.values()))
     table_of = np.searchsorted(starts, everything.rows, side="right") - 1
-    scopes = [("all", int(starts[-1]), everything)] + [
-        (name, rows, everything.select(table_of == i)) for i, (name, rows) in enumerate(table_rows.items())]
+    scopes = [("all", int(starts[-1]), everything)] + list(zip(table_rows, table_rows.values(),
+                                                               everything.split(table_of, len(table_rows))))
     out = {"format": CURVE_FORMAT, "ratios": list(ratios), "policies": list(policies), "row_bytes": row_bytes,
            "warmup_steps": skip, "counted_steps": counted, "tables": dict(table_rows), "scopes": []}
     for name, rows, s in scopes:
@@ -293,8 +296,10 @@ def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_
             if policy in ("lru", "lfu"):
                 lines[policy] = _rates(*stack_hits(s, capacities, policy, skip), accesses, distinct, counted, row_bytes)
             elif policy == "min":
-                keys = _MinKeys(s)
-                runs = [min_hits(s, c, skip, keys=keys) for c in capacities]
+                keys, runs = _MinKeys(s), {}
+                for c in capacities:  # a small table's ratios share capacities
+                    runs[c] = runs.get(c) or min_hits(s, c, skip, keys=keys)
+                runs = [runs[c] for c in capacities]
                 lines[policy] = _rates([r[0] for r in runs], [r[2] for r in runs], accesses, distinct, counted, row_bytes)
             elif policy == "freqcache":
                 lines[policy] = _freqcache_line(freqcache if name == "all" else None, ratios, freqcache_ratios,
