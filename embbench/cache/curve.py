@@ -200,6 +200,17 @@ def min_hits(s: StepRows, capacity: int, skip: int = 0, prefilled: bool = False,
     return hits, accesses, distinct_hits, distinct
 
 
+def _tally(classes: np.ndarray, weights: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct ``classes`` (ascending, below ``span``), how many of each, and the sum of
+    their ``weights``: counted over the span where it is short, else sorted."""
+    if span <= 4 * len(classes):
+        rows = np.bincount(classes, minlength=span)
+        at = np.flatnonzero(rows)
+        return at, rows[at], np.bincount(classes, weights, minlength=span)[at]
+    at, where = np.unique(classes, return_inverse=True)
+    return at, np.bincount(where, minlength=len(at)), np.bincount(where, weights, minlength=len(at))
+
+
 def stack_hits(s: StepRows, capacities, policy: str, skip: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The expected hits and distinct hits of LRU or LFU (``policy``) at each of
     ``capacities`` rows, counted over the steps from ``skip``, from an empty cache.
@@ -224,19 +235,19 @@ def stack_hits(s: StepRows, capacities, policy: str, skip: int = 0) -> tuple[np.
         prev, uses = s.prev[here], s.nth[here] - 1  # uses before this step
         again = prev >= 0
         rank = (uses * num + prev)[again] if lfu else prev[again]
-        span = (t + 1) * num if lfu else t  # every class held so far is below
-        if t >= skip and len(rank):
-            rows_at = np.bincount(rank, minlength=span)
-            ids_at = np.bincount(rank, s.counts[here][again], minlength=span)
-            at = np.flatnonzero(rows_at)
-            cum = np.cumsum(held[:span])
-            above, group = cum[-1] - cum[at], held[at]
+        at, rows_at, ids_at = _tally(rank, s.counts[here][again], (t + 1) * num if lfu else t)
+        if t >= skip and len(at):
+            cum = np.cumsum(held[: at[-1] + 1])
+            above, group = held.sum() - cum[at], held[at]
             share = np.clip(capacities - above, 0, group) / group
-            hits += share @ ids_at[at]
-            distinct_hits += share @ rows_at[at]
-        held[:span] -= np.bincount(rank, minlength=span)
-        new = s.nth[here] * num + t if lfu else np.full(here.stop - here.start, t)
-        held += np.bincount(new, minlength=len(held))
+            hits += share @ ids_at
+            distinct_hits += share @ rows_at
+        held[at] -= rows_at
+        if lfu:  # the step's rows join class (uses, t)
+            joined = np.bincount(s.nth[here])
+            held[np.flatnonzero(joined) * num + t] += joined[joined > 0]
+        else:
+            held[t] = here.stop - here.start
     return hits, distinct_hits
 
 
