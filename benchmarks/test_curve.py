@@ -13,7 +13,8 @@ of the test suite: speed is measured here, never asserted.
 import numpy as np
 import pytest
 
-from embbench.cache.curve import DEFAULT_RATIOS, freqcache_policy, measure
+from embbench.cache.curve import DEFAULT_RATIOS, measure
+from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream, SyntheticCriteo, make_tables
 from embbench.embedding import RowSpace
 

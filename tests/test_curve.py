@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from embbench.cache.curve import freqcache_policy, measure, min_hits, stack_hits, step_rows, to_csv
+from embbench.cache.curve import measure, min_hits, stack_hits, step_rows, to_csv
+from embbench.cache.sweep import freqcache_policy
 from embbench.metrics import belady_hit_rates
 
 

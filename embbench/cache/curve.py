@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CURVE_FORMAT", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "freqcache_policy", "measure", "min_hits",
+__all__ = ["CURVE_FORMAT", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "measure", "min_hits",
            "stack_hits", "step_rows", "to_csv"]
 
 
@@ -333,23 +333,6 @@ def _freqcache_line(freqcache, ratios, measured, accesses: int, distinct: int, s
         for k in line:
             line[k][i] = point[k][0]
     return line
-
-
-def freqcache_policy(batch_rows, num_rows: int, batch_ids: int, profile_batches: int, warmup_steps: int, steps: int,
-                     seed: int = 0):
-    """``ratio -> (hit rate, unique hit rate)`` of freqcache's planner at its defaults (device
-    planner, TinyLFU admission, automatic look-ahead) on a stream, driven by
-    :func:`embbench.cache.sweep.simulate` exactly as the sweep drives it. ``batch_rows(i)``:
-    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead)."""
-    from embbench.cache.sweep import Workload, simulate
-
-    def point(ratio: float) -> tuple[float, float]:
-        w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
-        r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
-                     batch_rows=batch_rows)
-        return r["hit_rate"], r["unique_hit_rate"]
-
-    return point
 
 
 def to_csv(curve: dict) -> str:

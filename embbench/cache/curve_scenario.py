@@ -9,7 +9,8 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, freqcache_policy, measure
+from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, measure
+from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream
 from embbench.data.sources import stream_rows
 
