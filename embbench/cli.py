@@ -307,6 +307,17 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_import_dlrm(args: argparse.Namespace) -> int:
+    from embbench.data.dlrm_datasets import dlrm_to_trace
+    from embbench.data.trace import is_trace
+
+    claim_output(Path(args.out), "--out", "embbench trace", is_trace, args.overwrite)
+    info = dlrm_to_trace(args.files, args.out)
+    console.print(Text(f"{args.out}: {info['batches']} batches, {info['samples']:,} training samples of {info['tables']} "
+                       f"tables (no evaluation stream). Note: {info['note']}"))
+    return 0
+
+
 def cmd_curve(args: argparse.Namespace) -> int:
     from embbench.cache.curve import CURVE_FORMAT, to_csv
     from embbench.cache.curve_scenario import curve_tables, scenario_curve
@@ -606,6 +617,12 @@ def _add_data_commands(sub) -> None:
     record.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
+    dlrm = trace_sub.add_parser("import-dlrm", help="Meta's dlrm_datasets batches (.pt files of indices, offsets, lengths) "
+                                                     "as a trace's training stream, in the order given")
+    dlrm.add_argument("files", nargs="+", help="the .pt files, one batch each")
+    dlrm.add_argument("--out", required=True, help="the trace file (.npz)")
+    dlrm.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a trace (never a record)")
+    dlrm.set_defaults(func=cmd_trace_import_dlrm)
 
 
 def _add_curve_command(sub) -> None:
