@@ -307,6 +307,16 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_import_tbe(args: argparse.Namespace) -> int:
+    import yaml
+
+    from embbench.data.tbe_config import NOT_REPRODUCED, read_tbe_report, synthetic_data
+
+    data = synthetic_data(read_tbe_report(args.report))
+    print(f"# from {args.report}; {NOT_REPRODUCED}\n" + yaml.safe_dump({"data": data}, sort_keys=False), end="")
+    return 0
+
+
 def cmd_trace_import_dlrm(args: argparse.Namespace) -> int:
     from embbench.data.dlrm_datasets import dlrm_to_trace
     from embbench.data.trace import is_trace
@@ -605,6 +615,10 @@ def _add_data_commands(sub) -> None:
                          "existing entries are hashed and rebuilt if damaged")
     prepare.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
+    tbe = data_sub.add_parser("import-tbe", help="the data: section (synthetic) for an fbgemm TBE input report "
+                                                   "(the JSON FBGEMM_REPORT_INPUT_PARAMS_INTERVAL writes)")
+    tbe.add_argument("report", help="a tbe-<op>-config-estimation-<iteration>.json file")
+    tbe.set_defaults(func=cmd_data_import_tbe)
     trace = sub.add_parser("trace", help="record the id stream a scenario produces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
     record = trace_sub.add_parser("record", help="write a scenario's training and evaluation id streams to a .npz trace")
