@@ -465,7 +465,15 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     budget = Budget(parse_size(args.device_memory, "--device-memory"),
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
     records = _load_runs([args.run])[0].records
-    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
+    curve_file = Path(args.curve) if args.curve else Path(args.run) / "curve.json"
+    curve = None
+    if args.curve or curve_file.exists():
+        from embbench.cache.curve import read_curve
+
+        curve = read_curve(curve_file)
+        if not args.json:
+            console.print(Text(f"cache curve: {curve_file} (a ratio to measure next stops at its knee)", style="dim"))
+    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in recs], indent=2))
     else:
@@ -700,6 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--auc-tolerance", type=_positive(float, zero=True, at_most=1), default=0.001,
                      help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    rec.add_argument("--curve", help="an `embbench curve --out` JSON of the scenario (default RUN/curve.json if there): "
+                                     "a suggested cache ratio stops at its knee")
     rec.set_defaults(func=cmd_recommend)
     comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
     comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")

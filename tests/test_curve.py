@@ -243,3 +243,14 @@ def test_curve_command_rejects_bad_input_naming_it(tmp_path, capsys):
     assert code == 2 and "--policies: unknown policy arc" in stderr
     code, _, stderr = _cli(capsys, "curve", str(_tiny_scenario(tmp_path)), "--sizes", "0.1,2")
     assert code == 2 and "--sizes: must be at most 1" in stderr
+
+
+def test_the_knee_is_where_the_curve_bends_most():
+    from embbench.cache.curve import knee
+
+    def curve(rates):
+        return {"ratios": [0.001, 0.01, 0.1, 1.0], "scopes": [{"name": "all", "policies": {"min": {"unique_hit_rate": rates}}}]}
+
+    assert knee(curve([0.1, 0.8, 0.85, 0.9])) == (0.01, 0.8)
+    assert knee(curve([0.1, 0.2, 0.3, 0.4])) is None  # straight on a log scale: no bend
+    assert knee(curve([0.5, 0.5, 0.5, 0.5])) is None

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from embbench.cache.curve import measure
-from embbench.cache.torchrec_stats import CurveCacheStatistics, curve_constraints, read_curve
+from embbench.cache.curve import measure, read_curve
+from embbench.cache.torchrec_stats import CurveCacheStatistics, curve_constraints
 
 ROWS = {"hot": 200_000, "cold": 300_000}
 

@@ -23,12 +23,14 @@ ids of a row share its fate), then the cache is updated. Hit rates are counted p
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CURVE_FORMAT", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "measure", "min_hits",
-           "stack_hits", "step_rows", "to_csv"]
+__all__ = ["CURVE_FORMAT", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure", "min_hits",
+           "read_curve", "stack_hits", "step_rows", "to_csv"]
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,17 @@ def _freqcache_line(freqcache, ratios, measured, accesses: int, distinct: int, s
     return line
 
 
+def read_curve(path: str | Path) -> dict:
+    """An ``embbench curve`` JSON file; ValueError naming the file where it is not one."""
+    try:
+        curve = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a curve file (not JSON: {e})") from None
+    if not isinstance(curve, dict) or curve.get("format") != CURVE_FORMAT:
+        raise ValueError(f"{path}: not a curve file (format is not {CURVE_FORMAT}; write one with `embbench curve --out`)")
+    return curve
+
+
 def to_csv(curve: dict) -> str:
     """One line per (scope, policy, ratio): the curve as a spreadsheet reads it."""
     import csv
@@ -350,3 +363,19 @@ def to_csv(curve: dict) -> str:
                 writer.writerow((scope["name"], scope["rows"], policy, ratio, scope["capacity"][i])
                                 + tuple("" if line[f][i] is None else line[f][i] for f in fields))
     return buffer.getvalue()
+
+
+def knee(curve: dict, policy: str = "min", scope: str = "all") -> tuple[float, float] | None:
+    """Where a curve bends most, as ``(ratio, unique hit rate)``: of the sizes, the one farthest
+    above the chord from the smallest to the largest on (log ratio, hit rate per distinct
+    row) (Kneedle's rule): past it a larger cache gains little. None for a flat curve or
+    fewer than three sizes."""
+    line = next(s for s in curve["scopes"] if s["name"] == scope)["policies"].get(policy)
+    if line is None or len(curve["ratios"]) < 3 or None in line["unique_hit_rate"]:
+        return None
+    x, y = np.log(curve["ratios"]), np.asarray(line["unique_hit_rate"])
+    if y[-1] <= y[0]:
+        return None
+    above = (y - y[0]) / (y[-1] - y[0]) - (x - x[0]) / (x[-1] - x[0])
+    i = int(np.argmax(above))
+    return (curve["ratios"][i], float(y[i])) if above[i] > 0 else None

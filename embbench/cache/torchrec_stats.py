@@ -15,26 +15,14 @@ fbgemm cache is LRU, so the LRU line is the default.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 from torchrec.distributed.types import CacheParams, CacheStatistics
 
-from embbench.cache.curve import CURVE_FORMAT
+from embbench.cache.curve import read_curve
 
-__all__ = ["CurveCacheStatistics", "curve_constraints", "read_curve"]
-
-
-def read_curve(path: str | Path) -> dict:
-    """An ``embbench curve`` JSON file; ValueError naming the file where it is not one."""
-    try:
-        curve = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a curve file (not JSON: {e})") from None
-    if not isinstance(curve, dict) or curve.get("format") != CURVE_FORMAT:
-        raise ValueError(f"{path}: not a curve file (format is not {CURVE_FORMAT}; write one with `embbench curve --out`)")
-    return curve
+__all__ = ["CurveCacheStatistics", "curve_constraints"]
 
 
 class CurveCacheStatistics(CacheStatistics):
