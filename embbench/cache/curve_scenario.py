@@ -100,7 +100,7 @@ def curve_tables(curve: dict, worst: int = 3) -> list:
     table.add_column("rows", justify="right")
     for policy in curve["policies"]:
         table.add_column(policy.upper() if policy in ("lru", "lfu", "min") else policy, justify="right")
-    table.add_column("MiB/step (MIN..LRU)" if {"min", "lru"} <= set(curve["policies"]) else "MiB/step", justify="right")
+    table.add_column("MiB/step (fewest..most)", justify="right")  # in and out, over the policies
     lines = everything["policies"]
     for i in shown:
         moved = [lines[p]["bytes_per_step"][i] for p in curve["policies"] if lines[p]["bytes_per_step"][i] is not None]
