@@ -368,6 +368,63 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_import_tbe(args: argparse.Namespace) -> int:
+    import yaml
+
+    from embbench.data.tbe_config import NOT_REPRODUCED, read_tbe_report, synthetic_data
+
+    data = synthetic_data(read_tbe_report(args.report))
+    print(f"# from {args.report}; {NOT_REPRODUCED}\n" + yaml.safe_dump({"data": data}, sort_keys=False), end="")
+    return 0
+
+
+def cmd_trace_import_dlrm(args: argparse.Namespace) -> int:
+    from embbench.data.dlrm_datasets import dlrm_to_trace
+    from embbench.data.trace import is_trace
+
+    claim_output(Path(args.out), "--out", "embbench trace", is_trace, args.overwrite)
+    info = dlrm_to_trace(args.files, args.out)
+    console.print(Text(f"{args.out}: {info['batches']} batches, {info['samples']:,} training samples of {info['tables']} "
+                       f"tables (no evaluation stream). Note: {info['note']}"))
+    return 0
+
+
+def cmd_curve(args: argparse.Namespace) -> int:
+    from embbench.cache.curve import CURVE_FORMAT, to_csv
+    from embbench.cache.curve_scenario import curve_tables, scenario_curve
+
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.suffix not in (".json", ".csv"):
+            raise ValueError(f"--out {out}: give a .json or .csv file name")
+        claim_output(out, "--out", "embbench curve", lambda path: head_has(path, CURVE_FORMAT.encode())
+                     or head_has(path, b"scope,rows,policy,ratio"), args.overwrite)
+    scenario, _ = load_scenario(args.scenario, scale=args.scale)
+    _prepare_data(args.scenario, scenario, _data_cache(args))
+    curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes)
+    for shown in curve_tables(curve):
+        console.print(shown)
+    if out is not None:
+        out.write_text(to_csv(curve) if out.suffix == ".csv" else json.dumps(curve, indent=1))
+        console.print(Text(f"{out}: every size, policy and table"))
+    return 0
+
+
+def _ratios(text: str) -> list[float]:
+    """``--sizes 0.001,0.01``: cache ratios in (0, 1]."""
+    return sorted({_positive(float, at_most=1)(item) for item in text.split(",")})
+
+
+def _policies(text: str) -> list[str]:
+    from embbench.cache.curve import POLICIES
+
+    names = _names(text)
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    return [p for p in POLICIES if p in names]
+
+
 def _type_name(annotation) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
@@ -469,7 +526,15 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     budget = Budget(parse_size(args.device_memory, "--device-memory"),
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
     records = _load_runs([args.run])[0].records
-    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run)
+    curve_file = Path(args.curve) if args.curve else Path(args.run) / "curve.json"
+    curve = None
+    if args.curve or curve_file.exists():
+        from embbench.cache.curve import read_curve
+
+        curve = read_curve(curve_file)
+        if not args.json:
+            console.print(Text(f"cache curve: {curve_file} (a ratio to measure next stops at its knee)", style="dim"))
+    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in recs], indent=2))
     else:
@@ -652,6 +717,10 @@ def _add_data_commands(sub) -> None:
                          "existing entries are hashed and rebuilt if damaged")
     prepare.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
+    tbe = data_sub.add_parser("import-tbe", help="the data: section (synthetic) for an fbgemm TBE input report "
+                                                   "(the JSON FBGEMM_REPORT_INPUT_PARAMS_INTERVAL writes)")
+    tbe.add_argument("report", help="a tbe-<op>-config-estimation-<iteration>.json file")
+    tbe.set_defaults(func=cmd_data_import_tbe)
     trace = sub.add_parser("trace", help="record the id stream a scenario produces")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
     record = trace_sub.add_parser("record", help="write a scenario's training and evaluation id streams to a .npz trace")
@@ -664,6 +733,34 @@ def _add_data_commands(sub) -> None:
     record.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
+    dlrm = trace_sub.add_parser("import-dlrm", help="Meta's dlrm_datasets batches (.pt files of indices, offsets, lengths) "
+                                                     "as a trace's training stream, in the order given")
+    dlrm.add_argument("files", nargs="+", help="the .pt files, one batch each")
+    dlrm.add_argument("--out", required=True, help="the trace file (.npz)")
+    dlrm.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a trace (never a record)")
+    dlrm.set_defaults(func=cmd_trace_import_dlrm)
+
+
+def _add_curve_command(sub) -> None:
+    from embbench.cache.curve import DEFAULT_RATIOS, POLICIES
+
+    curve = sub.add_parser("curve", help="hit rate against cache size of LRU, LFU, freqcache and Belady's MIN on a "
+                                         "scenario's training ids, per table and all together")
+    curve.add_argument("scenario", help="scenario YAML file (its data section: synthetic, Criteo files or a trace)")
+    curve.add_argument("--sizes", type=_ratios, default=list(DEFAULT_RATIOS), metavar="R,R,...",
+                       help="cache sizes as ratios of the rows (default 12 from 0.001 to 0.2, log-spaced)")
+    curve.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="P,P,...",
+                       help=f"any of {','.join(POLICIES)} (default all)")
+    curve.add_argument("--freqcache-sizes", type=_ratios, metavar="R,R,...",
+                       help="where freqcache's planner is driven, a simulation each (default the smallest, middle and largest size)")
+    curve.add_argument("--warmup", type=_positive(int, zero=True), default=48,
+                       help="training batches simulated before counting (default 48: freqcache's 32 profiled and 16 warm-up)")
+    curve.add_argument("--steps", type=_positive(int), default=64, help="training batches counted (default 64)")
+    curve.add_argument("--out", help="also write every size, policy and table: a .json or .csv file")
+    curve.add_argument("--overwrite", action="store_true", help="replace an existing --out that is not a curve (never a record)")
+    curve.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
+    curve.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
+    curve.set_defaults(func=cmd_curve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -697,6 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")
     _add_view_flags(show, RESULT_COLUMNS, export)
     show.set_defaults(func=cmd_show)
+    _add_curve_command(sub)
     rec = sub.add_parser("recommend", help="the fastest measured placement that fits a memory budget, and why not the others")
     rec.add_argument("run", help="a run directory")
     rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")
@@ -704,6 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--auc-tolerance", type=_positive(float, zero=True, at_most=1), default=0.001,
                      help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    rec.add_argument("--curve", help="an `embbench curve --out` JSON of the scenario (default RUN/curve.json if there): "
+                                     "a suggested cache ratio stops at its knee")
     rec.set_defaults(func=cmd_recommend)
     comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
     comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")

@@ -208,6 +208,47 @@ img { max-width: 100%; margin: 8px 0; border: 1px solid #eee; }
 """
 
 
+def plot_cache_curve(run: Run) -> str | None:
+    """The run's cache curve (``RUN/curve.json``, from ``embbench curve --out``), all tables in
+    one cache, per distinct row: one panel per policy family with Belady's MIN as the envelope,
+    and the run's measured cells of that family as points."""
+    from embbench.cache.curve import read_curve
+
+    path = Path(run.path) / "curve.json"
+    if not path.is_file():
+        return None
+    curve = read_curve(path)
+    lines = curve["scopes"][0]["policies"]
+    families = [p for p in curve["policies"] if p != "min"]
+    if not families:
+        return None
+    measured: dict[str, list[tuple[float, float]]] = {}
+    for r in run.records:
+        ratio, rate = r.params.get("cache_ratio"), flat_row(r).get("unique_hit_rate")
+        family = "freqcache" if r.strategy == "freqcache" else str(r.params.get("algorithm", "")).lower()
+        if r.status == "ok" and isinstance(ratio, (int, float)) and rate is not None and family in families:
+            measured.setdefault(family, []).append((ratio, rate))
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(families), figsize=(3.4 * len(families), 3.2), squeeze=False, sharey=True)
+    for ax, family in zip(axes[0], families):
+        if "min" in lines:
+            ax.plot(curve["ratios"], lines["min"]["unique_hit_rate"], ls="--", color="black", label="MIN (envelope)")
+        points = [(x, y) for x, y in zip(curve["ratios"], lines[family]["unique_hit_rate"]) if y is not None]
+        if points:
+            ax.plot(*zip(*points), marker="." if len(points) > 3 else "o", label=f"{family} (curve)")
+        if family in measured:
+            ax.scatter(*zip(*measured[family]), color="red", zorder=3, label="measured cells")
+        ax.set_xscale("log")
+        ax.set_title(family.upper() if family in ("lru", "lfu") else family, fontsize=9)
+        ax.set_xlabel("cache ratio")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6, loc="lower right")
+    axes[0][0].set_ylabel("hit rate per distinct row")
+    axes[0][0].set_ylim(0, 1.02)
+    fig.suptitle(f"{run.label}: cache curve ({curve['counted_steps']} batches), all tables in one cache", fontsize=9)
+    return _png(fig)
+
+
 def render_report(runs: list[Run]) -> str:
     """The report of one or more runs as one HTML document (the first run is the baseline
     of the comparison)."""
@@ -238,6 +279,7 @@ def render_report(runs: list[Run]) -> str:
     sections = [
         ("Throughput against device memory", [plot_pareto(run, strategy_colours(runs)) for run in runs]),
         ("Hit rate against Belady's bound", [plot_hit_rates(runs)]),
+        ("Cache curve (embbench curve)", [plot_cache_curve(run) for run in runs]),
         ("Step times", [plot_step_times(runs)]),
         ("Per rank", [img for run in runs for img in plot_per_rank(run)]),
     ]

@@ -231,51 +231,13 @@ def belady_hit_rates(steps: list[Tensor], capacity: int, skip: int = 0,
     simulated but not counted, so the bound covers the same window as the cache it is
     compared with. ``prefilled``: the cache starts full of the best rows for free (as a
     cache preloaded at warm-up does), i.e. a row that finds a free slot counts as a hit.
+    Computed by :func:`embbench.cache.curve.min_hits` (vectorised: about a second for 64
+    batches of the Criteo-Kaggle shape).
     """
-    import heapq
+    from embbench.cache.curve import min_hits, step_rows  # embbench.cache imports this module
 
-    unique_counts = []
-    for ids in steps:
-        rows, counts = torch.unique(ids, return_counts=True)
-        unique_counts.append(dict(zip(rows.tolist(), counts.tolist())))
-    # A row's rank after each step: (when it is next used, minus its ids then); lower is kept.
-    never = (len(steps), 0)
-    next_use: list[dict[int, tuple[int, int]]] = [{} for _ in steps]
-    upcoming: dict[int, tuple[int, int]] = {}
-    for t in range(len(steps) - 1, -1, -1):
-        for row, count in unique_counts[t].items():
-            next_use[t][row] = upcoming.get(row, never)
-            upcoming[row] = (t, -count)
-    cached: dict[int, tuple[int, int]] = {}  # row -> its rank
-    heap: list[tuple[int, int, int]] = []  # (minus the rank, row): the worst on top; stale entries are skipped
-    hits = accesses = distinct_hits = distinct = 0
-    for t, rows in enumerate(unique_counts):
-        counted = t >= skip
-        distinct += len(rows) if counted else 0
-        missing: list[int] = []
-        for row, count in rows.items():
-            accesses += count if counted else 0
-            if row in cached:
-                hits += count if counted else 0
-                distinct_hits += counted
-                when, more = cached[row] = next_use[t][row]
-                heapq.heappush(heap, (-when, -more, row))
-            else:
-                missing.append(row)
-        # After the step the cache keeps the best-ranked rows: admit a missing row only in
-        # place of a cached one ranked worse (or into a free slot).
-        for row in sorted(missing, key=lambda r: next_use[t][r]):
-            if len(cached) < capacity and prefilled and counted:
-                hits += rows[row]
-                distinct_hits += 1
-            if len(cached) >= capacity:
-                while cached.get(heap[0][2]) != (-heap[0][0], -heap[0][1]):
-                    heapq.heappop(heap)  # stale
-                if (-heap[0][0], -heap[0][1]) <= next_use[t][row]:
-                    continue
-                del cached[heapq.heappop(heap)[2]]
-            when, more = cached[row] = next_use[t][row]
-            heapq.heappush(heap, (-when, -more, row))
+    hits, accesses, distinct_hits, distinct = min_hits(step_rows([s.cpu().numpy() for s in steps]), capacity, skip,
+                                                       prefilled)
     if not accesses:
         return None, None
     return hits / accesses, distinct_hits / distinct

@@ -125,11 +125,15 @@ def _family(record: Record) -> str:
 
 
 def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], budget: Budget,
-                       winner: str | None, run_dir: str) -> tuple[list[Suggestion], list[str]]:
+                       winner: str | None, run_dir: str, curve: dict | None = None) -> tuple[list[Suggestion], list[str]]:
     """For each family of cells that differ only in ``cache_ratio``: the largest ratio whose
     device memory fits, from a line through the measured (ratio, device bytes), where the
     records do not cover it: every measured ratio is too big, or the ``winner`` is this
-    family's largest measured cache and the budget has room for a much larger one."""
+    family's largest measured cache and the budget has room for a much larger one. With a
+    cache ``curve`` (``embbench curve``), a suggestion past the curve's knee is the knee."""
+    from embbench.cache.curve import knee  # only with a curve
+
+    knee_point = knee(curve) if curve else None
     families: dict[str, list[Record]] = {}
     for r in records:
         if r.status == "ok" and isinstance(r.params.get(CACHE_RATIO), (int, float)):
@@ -167,6 +171,10 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
             if largest.cell_id != winner or best_ratio < _ROOM_FACTOR * largest.params[CACHE_RATIO]:
                 continue  # covered: a measured cache fits, and a larger one would not change the answer
         ratio = _round_down(best_ratio)
+        if knee_point and knee_point[0] < ratio:
+            ratio = knee_point[0]
+            basis += (f"; the cache curve's knee: MIN hits {100 * knee_point[1]:.1f}% of distinct rows at {ratio:g}, "
+                      f"a larger cache gains little")
         scenario = members[0].scenario.get("file", "SCENARIO.yaml")
         edit = f"add {ratio:g} to {members[0].strategy}'s {CACHE_RATIO} list in {scenario}"
         command = run_command(scenario, run_dir, strategies=[members[0].strategy], resume=True,
@@ -191,9 +199,10 @@ def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
 
 
 def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.001, alpha: float = ALPHA,
-              run_dir: str = "RUN") -> list[Recommendation]:
+              run_dir: str = "RUN", curve: dict | None = None) -> list[Recommendation]:
     """One recommendation per world size of the records (see the module doc); suggested
-    cells are to be run into ``run_dir``.
+    cells are to be run into ``run_dir``, at no more than the knee of ``curve`` (an
+    ``embbench curve`` of the scenario) where one is given.
 
     A cell is left out when it did not finish (its status), when its memory exceeds the
     budget (by how much), or when its AUC is below the baseline's at the same world size
@@ -248,7 +257,8 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
             needs = [rows[r.cell_id]["device_bytes"] for r in mine if r.status == "ok"]
             rec.notes.append("no measured cell qualifies" + (
                 f"; the smallest needs {format_bytes(min(needs))} device memory per rank" if needs else ""))
-        rec.suggestions, notes = _cache_suggestions(mine, rows, budget, rec.best.cell_id if rec.best else None, run_dir)
+        rec.suggestions, notes = _cache_suggestions(mine, rows, budget, rec.best.cell_id if rec.best else None, run_dir,
+                                                    curve)
         rec.notes += notes
         out.append(rec)
     return out

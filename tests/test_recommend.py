@@ -177,3 +177,36 @@ def test_a_cpu_run_says_first_that_it_is_no_placement_decision(tmp_path, capsys)
     out = capsys.readouterr().out
     first, answer = out.index("read first: measured with the host CPU as the device"), out.index("recommended:")
     assert first < answer
+
+
+def _curve(hit_rates: list[float]) -> dict:
+    """A cache curve of all tables (only what recommend reads)."""
+    ratios = [0.001, 0.01, 0.02, 0.05, 0.1, 0.2][: len(hit_rates)]
+    return {"format": "embbench-curve-1", "ratios": ratios, "policies": ["min"],
+            "scopes": [{"name": "all", "policies": {"min": {"unique_hit_rate": hit_rates}}}]}
+
+
+def test_a_suggested_ratio_stops_at_the_knee_of_the_cache_curve():
+    # device bytes = 10 MiB + ratio * 1000 MiB: 0.09 fits; the curve flattens from 0.02 on
+    records = [make_record("cpu", step_times=[0.05] * 12, device_bytes=0), _cache(0.01, 0.02, 20 * MiB), _cache(0.011, 0.01, 21 * MiB)]
+    curve = _curve([0.1, 0.5, 0.9, 0.92, 0.93, 0.94])
+    (rec,) = recommend(records, Budget(100 * MiB), curve=curve)
+    (s,) = rec.suggestions
+    assert s.cache_ratio == 0.02 and "the cache curve's knee: MIN hits 90.0% of distinct rows at 0.02" in s.basis
+    (without,) = recommend(records, Budget(100 * MiB))
+    assert without.suggestions[0].cache_ratio == pytest.approx(0.09)
+    (tight,) = recommend(records, Budget(15 * MiB), curve=curve)  # every cache too big; 0.005 fits, below the knee
+    (s,) = tight.suggestions
+    assert s.cache_ratio == pytest.approx(0.005) and "knee" not in s.basis
+
+
+def test_recommend_reads_the_curve_file_beside_the_run(tmp_path, capsys):
+    records = [make_record("cpu", step_times=[0.05] * 12, device_bytes=0), _cache(0.01, 0.02, 20 * MiB), _cache(0.011, 0.01, 21 * MiB)]
+    run = write_run(tmp_path / "run", records)
+    (run / "curve.json").write_text(json.dumps(_curve([0.1, 0.5, 0.9, 0.92, 0.93, 0.94])))
+    assert main(["recommend", str(run), "--device-memory", "100MiB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"cache curve: {run / 'curve.json'}" in out and "cache_ratio=0.02" in out and "knee" in out
+    (run / "curve.json").write_text("{}")
+    assert main(["recommend", str(run), "--device-memory", "100MiB"]) == 2
+    assert f"{run / 'curve.json'}: not a curve file" in capsys.readouterr().err

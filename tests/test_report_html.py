@@ -220,3 +220,19 @@ def test_a_strategy_has_one_colour_in_every_run_of_a_report(tmp_path):
     colours = strategy_colours([full, fewer])
     assert set(colours) == {"device", "cpu", "freqcache"} and len(set(colours.values())) == 3
     assert strategy_colours([fewer, full]) == colours
+
+
+def test_a_cache_curve_beside_the_run_is_a_plot_with_the_measured_cells(tmp_path):
+    from embbench.cache.curve import measure
+    from embbench.html_report import plot_cache_curve
+
+    run = write_run(tmp_path / "a", _records())
+    rng = np.random.default_rng(0)
+    steps = [rng.zipf(1.3, 200) % 500 for _ in range(12)]
+    curve = measure(steps, {"t0": 500}, (0.01, 0.1, 0.5), ("lru", "freqcache", "min"), skip=2)  # freqcache: the cells only
+    (run / "curve.json").write_text(__import__("json").dumps(curve))
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "Cache curve (embbench curve)" in text and text.count("<img") == 5  # the 4 plots of one run, and the curve
+    assert plot_cache_curve(Run(tmp_path / "none", _records())) is None  # no curve file: no plot

@@ -35,7 +35,7 @@ from embbench.metrics import belady_hit_rates
 from embbench.outputs import claim_output, head_has
 from embbench.scenario import ScenarioError, read_yaml, validate_config
 
-__all__ = ["Sweep", "Workload", "run_sweep", "simulate"]
+__all__ = ["Sweep", "Workload", "freqcache_policy", "run_sweep", "simulate"]
 
 
 # The bounds of a workload's values, for a sweep's lists and a workload alike (finite, no
@@ -125,6 +125,22 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
             "unique_hit_rate": unique_hit, "belady_unique_hit_rate": per_distinct,
             "window_pairs_dropped": c.get("window_pairs_dropped"),
             "gap": per_access - hit, "unique_gap": per_distinct - unique_hit}
+
+
+def freqcache_policy(batch_rows, num_rows: int, batch_ids: int, profile_batches: int, warmup_steps: int, steps: int,
+                     seed: int = 0):
+    """``ratio -> (hit rate, unique hit rate)`` of freqcache's planner at its defaults (device
+    planner, TinyLFU admission, automatic look-ahead) on a stream, driven by
+    :func:`simulate` exactly as the sweep drives it. ``batch_rows(i)``:
+    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead)."""
+
+    def point(ratio: float) -> tuple[float, float]:
+        w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
+        r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
+                     batch_rows=batch_rows)
+        return r["hit_rate"], r["unique_hit_rate"]
+
+    return point
 
 
 def _drive_host(w: Workload, batches: list[np.ndarray], capacity: int, lookahead: int, first: int, total: int,

@@ -1,0 +1,120 @@
+"""A scenario's cache curves (``embbench curve``): its training id stream, read through the
+data source ``embbench run`` uses, measured by :func:`embbench.cache.curve.measure`, and
+shown as a terminal table. Evaluation data is never read."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from rich.table import Table
+from rich.text import Text
+
+from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, measure
+from embbench.cache.sweep import freqcache_policy
+from embbench.data import Stream
+from embbench.data.sources import stream_rows
+
+__all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve"]
+
+#: freqcache's profiled batches (its ``profile_batches`` default), the first of the warm-up.
+FREQCACHE_PROFILE = 32
+
+
+def _training_batches(scenario):
+    """``i -> training batch i's global rows`` (each batch read once) and each table's rows."""
+    from embbench.embedding import RowSpace
+
+    tables = scenario.tables()
+    source = scenario.data_source(torch.device("cpu"))
+    space = RowSpace(tables)
+    read: dict[int, np.ndarray] = {}
+
+    def batch_rows(i: int) -> np.ndarray:
+        if i not in read:
+            batch = source.batch(Stream.TRAIN, i, scenario.data.batch_size)
+            read[i] = space.global_rows(batch.sparse).numpy()
+        return read[i]
+
+    return batch_rows, {t.name: t.num_rows for t in tables}
+
+
+def _check_length(scenario, batches: int) -> None:
+    """Files must hold the batches the curve reads (a replay past the end would repeat them)."""
+    data = scenario.data
+    if data.source == "synthetic":
+        return
+    have = stream_rows(data)[Stream.TRAIN] * data.epochs
+    need = batches * data.batch_size
+    if have < need:
+        raise ValueError(f"data.path {data.path}: the training stream has {have:,} rows (data.epochs {data.epochs}); the "
+                         f"curve reads {batches} batches of {data.batch_size} ({need:,} rows): ask for fewer "
+                         "--warmup/--steps")
+
+
+def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: int = 48, steps: int = 64,
+                   freqcache_ratios=None) -> dict:
+    """The curves of the scenario's first ``warmup + steps`` training batches, counted over the
+    last ``steps`` (freqcache profiles the first :data:`FREQCACHE_PROFILE` of the warm-up,
+    and reads the batches its look-ahead needs beyond them).
+
+    ``freqcache_ratios``: where freqcache's planner is driven (each a full simulation);
+    default the smallest, the middle and the largest of ``ratios``."""
+    _check_length(scenario, warmup + steps)
+    batch_rows, table_rows = _training_batches(scenario)
+    stream = [batch_rows(i) for i in range(warmup + steps)]
+    if freqcache_ratios is None:
+        ordered = sorted(ratios)
+        freqcache_ratios = sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]})
+    freqcache = None
+    if "freqcache" in policies:
+        profile = min(FREQCACHE_PROFILE, warmup)
+        freqcache = freqcache_policy(batch_rows, sum(table_rows.values()), max(len(b) for b in stream), profile,
+                                     warmup - profile, steps, scenario.run.seed)
+    row_bytes = 4 * (scenario.data.embedding_dim + scenario.optimizer.embedding.state_width)
+    curve = measure(stream, table_rows, ratios, policies, warmup, row_bytes, freqcache, freqcache_ratios)
+    curve["scenario"] = {"name": scenario.name, "source": scenario.data.source, "batch_size": scenario.data.batch_size,
+                         "digest": scenario.digest()}
+    return curve
+
+
+def _shown(ratios: list[float], count: int = 4) -> list[int]:
+    """A few of the ratios, spread from the smallest to the largest."""
+    return sorted({round(i * (len(ratios) - 1) / (count - 1)) for i in range(count)}) if len(ratios) > count else list(range(len(ratios)))
+
+
+def _cell(line: dict, i: int) -> str:
+    if line["hit_rate"][i] is None:
+        return "-"
+    return f"{100 * line['hit_rate'][i]:.1f} / {100 * line['unique_hit_rate'][i]:.1f}"
+
+
+def curve_tables(curve: dict, worst: int = 3) -> list:
+    """What ``embbench curve`` prints: all tables together at a few sizes, every policy, and
+    the tables that do worst."""
+    ratios, scopes = curve["ratios"], curve["scopes"]
+    everything = scopes[0]
+    shown = _shown(ratios)
+    table = Table(title=f"{curve.get('scenario', {}).get('name', 'stream')}: hit rate % per access / per distinct row "
+                        f"({curve['counted_steps']} batches after {curve['warmup_steps']} of warm-up), all tables in one cache")
+    table.add_column("cache", justify="right")
+    table.add_column("rows", justify="right")
+    for policy in curve["policies"]:
+        table.add_column(policy.upper() if policy in ("lru", "lfu", "min") else policy, justify="right")
+    table.add_column("MiB/step (fewest..most)", justify="right")  # in and out, over the policies
+    lines = everything["policies"]
+    for i in shown:
+        moved = [lines[p]["bytes_per_step"][i] for p in curve["policies"] if lines[p]["bytes_per_step"][i] is not None]
+        table.add_row(f"{100 * ratios[i]:.2g}%", f"{everything['capacity'][i]:,}", *(_cell(lines[p], i) for p in curve["policies"]),
+                      f"{min(moved) / 2**20:.1f}..{max(moved) / 2**20:.1f}" if moved else "-")
+    out: list = [table]
+    policy = "min" if "min" in curve["policies"] else next(p for p in curve["policies"] if p != "freqcache")
+    middle = shown[len(shown) // 2]
+    busy = [s for s in scopes[1:] if s["accesses"] >= 0.01 * everything["accesses"]]
+    busy.sort(key=lambda s: s["policies"][policy]["unique_hit_rate"][middle])
+    if busy:
+        named = ", ".join(f"{s['name']} ({s['rows']:,} rows, {100 * s['accesses'] / everything['accesses']:.0f}% of ids: "
+                          + " ".join(f"{p.upper()} {100 * s['policies'][p]['unique_hit_rate'][middle]:.0f}%"
+                                     for p in curve["policies"] if p != "freqcache") + ")"
+                          for s in busy[:worst])
+        out.append(Text(f"worst tables alone at {100 * ratios[middle]:.2g}% of their rows, per distinct row: {named}"))
+    return out
