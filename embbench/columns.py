@@ -100,7 +100,7 @@ def flat_row(record: Record) -> dict[str, Any]:
         all_ranks = mem.get("sum") or mem
         fast = speed(m)
         ci = fast.throughput_interval or [None, None]
-        cpu = m.get("cpu_seconds_per_step")
+        cpu = m.get("cpu_seconds_per_step")  # every thread of every rank, per step
         row.update({
             "throughput": fast.throughput,
             "speedup": None,  # needs the baseline's record: see flat_rows
@@ -117,8 +117,6 @@ def flat_row(record: Record) -> dict[str, Any]:
             "repeats": len(fast.repeat_medians_s),
             "threads": m.get("threads"),
             "cpu_seconds_per_step": cpu,
-            # CPU seconds per wall second of a step, over every thread of every rank
-            "cpu_per_wall": cpu / fast.step_s if cpu is not None else None,
             "others_cpu_share": get(m, "noise", "others_cpu_share"),
             "device_bytes": device_need_bytes(mem),
             "static_device_bytes": mem["static_device_bytes"],

@@ -15,6 +15,7 @@ cell starts, so a crash or a timeout ends that cell only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -86,12 +87,31 @@ def _cell_context() -> Any:
         os.environ["EMBBENCH_CELL_SERVER_DIR"] = util.get_temp_dir()
         try:
             ready = ctx.Process(target=cell_process.close_alive_pipe, name="embbench-cell-server-ready")
-            ready.start()
+            with _main_module_hidden():
+                ready.start()
             ready.join()
         finally:
             del os.environ["EMBBENCH_CELL_SERVER_DIR"]
         _server_ready = True
     return ctx
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """While a process starts: multiprocessing would have it run this process's ``__main__``
+    again (the ``embbench`` script, or ``-m embbench.cli``) to find names pickled there. A rank
+    needs none (its target is :mod:`embbench.cell_process`'s), so it is not told of one: no
+    second import of the command in every rank, and no rank that fails before its log opens."""
+    main = sys.modules["__main__"]
+    saved = {key: getattr(main, key) for key in ("__spec__", "__file__") if hasattr(main, key)}
+    main.__spec__ = None
+    if "__file__" in saved:
+        del main.__file__
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(main, key, value)
 
 
 def _kill(procs: list[Any]) -> None:
@@ -170,7 +190,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 try:
                     proc = ctx.Process(target=cell_process.rank_main, args=(str(spec_path), str(log), env, list(sys.path)),
                                        name=f"embbench-{cell.slug}-rank{rank}", daemon=False)
-                    proc.start()
+                    with _main_module_hidden():
+                        proc.start()
                     procs.append(proc)
                 except OSError as e:  # out of processes or memory: this cell fails, the run goes on
                     return CellOutcome("error", f"cannot start rank {rank}: {e}", None)

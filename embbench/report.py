@@ -61,7 +61,7 @@ RESULT_COLUMNS = [
     Column("speedup", "speedup", always=True),
     Column("device_mib", "device MiB\nstatic / peak"),
     Column("hit_rate", "hit rate\n(MIN est.)"),
-    Column("cpu", "CPU\ncores busy"),
+    Column("cpu", "CPU ms\nper step"),
     Column("host_mib", "host MiB"),
     Column("auc", "AUC"),
     Column("comm", "comm\nMiB/step"),
@@ -101,7 +101,7 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     row.cells.update({
         "step_ms": f"{fast.step_s * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
         "throughput": _throughput_text(rate, ci, fast.flags, bool(m["throughput"].get("ci95_missing"))),
-        "cpu": "" if cpu is None else f"{cpu / fast.step_s:,.2f}",
+        "cpu": "" if cpu is None else f"{cpu * 1e3:,.2f}",
         "speedup": f"{rate / base:.2f}x" if base else "-",
         "hit_rate": _hit_rates(hit, bound, unique_hit, _get(m, "extra", "belady_unique_hit_rate")),
         "h2d_d2h": "" if not moved else
@@ -117,7 +117,7 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "order": "" if r.semantics == "exact" else r.semantics,
     })
     row.sort.update({
-        "step_ms": fast.step_s, "throughput": rate, "cpu": None if cpu is None else cpu / fast.step_s, "speedup": rate / base if base else None,
+        "step_ms": fast.step_s, "throughput": rate, "cpu": cpu, "speedup": rate / base if base else None,
         "hit_rate": hit if hit is not None else unique_hit, "h2d_d2h": moved or None,
         "comm": per_step.get("bytes_comm"), "device_mib": device_need_bytes(mem), "host_mib": host,
         "auc": auc, "logloss": logloss, "max_dw": diff, "ops_syncs": ops,
@@ -160,7 +160,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
         "speedup": f"speedup against {baseline_name} at the same ranks",
         "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN: per "
                     "access an estimate a policy can beat, per distinct row (uniq) a bound",
-        "cpu": "CPU: CPU seconds of every thread of every rank per second of step (what work moved off the clock costs)",
+        "cpu": "CPU ms per step: every thread of every rank, the timed steps' and any side thread's work beside them "
+               "(beyond step ms x threads: work moved off the clock)",
         "device_mib": "device MiB: the largest rank",
         "comm": "comm: bytes all ranks send to each other",
         "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
