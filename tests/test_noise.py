@@ -148,3 +148,26 @@ def test_old_records_without_threads_are_judged_by_the_machines_cores():
     assert "shared 16 CPU core(s)" in why_not_projectable(_projectable(32, None, None))  # the factory's 16 cores
     assert why_not_projectable(_projectable(8, None, None)) is None
     assert why_not_projectable(_projectable(8, threads=4, cores=2, device="cuda:0")) is None  # GPUs: not shared
+
+
+# --- labels that tell the truth ----------------------------------------------------------------------
+
+def test_the_table_calls_min_per_access_an_estimate_and_a_cpu_run_no_placement_result():
+    import io
+
+    from rich.console import Console
+
+    from embbench.report import RESULT_COLUMNS, print_comparison
+
+    assert next(c for c in RESULT_COLUMNS if c.key == "hit_rate").header == "hit rate\n(MIN est.)"
+    records = [make_record("device", device="cpu"),
+               make_record("freqcache", {"cache_ratio": 0.1}, device="cpu", hit_rate=0.967,
+                           extra={"belady_hit_rate": 0.966, "belady_unique_hit_rate": 0.5})]
+    console = Console(width=400, record=True, file=io.StringIO())
+    print_comparison(records, console)
+    text = " ".join(console.export_text().split())
+    assert "96.7% (96.6%)" in text and "Belady's MIN: per access an estimate a policy can beat" in text
+    assert text.index("the device here is the host CPU") < text.index("Belady's MIN")  # said first
+    console = Console(width=400, record=True, file=io.StringIO())
+    print_comparison([make_record("device")], console)  # measured on a GPU: nothing to say
+    assert "the device here is the host CPU" not in console.export_text()
