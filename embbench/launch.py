@@ -97,7 +97,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
         spec = {
             "scenario": scenario.model_dump(mode="json"),
             "scenario_file": scenario_file,
-            "cell": {"strategy": cell.strategy, "params": cell.params, "world_size": cell.world_size},
+            "cell": {"strategy": cell.strategy, "params": cell.params, "world_size": cell.world_size,
+                     "row_precision": cell.row_precision},
             "result": str(tmp_dir / "result.json"),
             "weights": str(weights_path) if weights_path else None,
             "progress": str(tmp_dir / "progress.json"),
@@ -170,6 +171,28 @@ def _load_weights(path: Path) -> list[torch.Tensor]:
 def _max_weight_diff(a: Path, b: Path) -> float:
     left, right = _load_weights(a), _load_weights(b)
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
+
+
+def weight_distance(mine: Path, fp32: Path, initial: list[torch.Tensor]) -> dict[str, float | int]:
+    """How far a cell's flushed weights are from the same cell's in fp32, over the rows the fp32
+    cell trained (those that moved from ``initial``): untrained rows differ only by the
+    rounding of their initial weights to the row type, which says nothing about training."""
+    left, right = _load_weights(mine), _load_weights(fp32)
+    largest, total, count, rows = 0.0, 0.0, 0, 0
+    for x, y, start in zip(left, right, initial):
+        trained = (y != start).any(1)
+        diff = (x[trained] - y[trained]).abs()
+        if diff.numel():
+            largest, total = max(largest, float(diff.max())), total + float(diff.sum(dtype=torch.float64))
+            count, rows = count + diff.numel(), rows + int(trained.sum())
+    return {"max": largest, "mean": total / count if count else 0.0, "rows_trained": rows}
+
+
+def _initial_tables(scenario: Scenario) -> list[torch.Tensor]:
+    from embbench.data.weights import initial_weights
+
+    tables = scenario.tables()
+    return [initial_weights(t, i, scenario.run.seed, 0, t.num_rows) for i, t in enumerate(tables)]
 
 
 def reusable_records(out_dir: Path, scenario: Scenario, weights_dir: Path | None,
@@ -298,6 +321,8 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     write_errors: list[str] = []
     info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
+    fp32_records: dict[str, Record] = {}  # by the fp32 cell's id
+    initial: list[torch.Tensor] | None = None
     records = []
     for cell in cells:
         if cell.id in done:
@@ -307,6 +332,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                 on_start(cell)
             outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
             record = _new_record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
+                                 row_precision=cell.row_precision,
                                  status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
                                  baseline=scenario.baseline, scenario=info, metrics=outcome.metrics,
                                  provenance=provenance(cell.strategy))
@@ -323,6 +349,16 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                     record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
+            fp32_id = Cell(cell.strategy, cell.params, cell.world_size).id
+            if cell.row_precision == "fp32":
+                fp32_records[cell.id] = record
+            elif fp32_id in fp32_records and _trained_steps(fp32_records[fp32_id]) == _trained_steps(record):
+                initial = initial if initial is not None else _initial_tables(scenario)
+                try:
+                    record.metrics["weight_diff_vs_fp32"] = weight_distance(
+                        mine, weights_dir / fp32_records[fp32_id].metrics["weights_file"], initial)
+                except RecordError as e:
+                    record.metrics["weights_not_compared_fp32"] = str(e)
         if write:
             try:
                 write_record(out_dir, cell.slug, record)
@@ -439,9 +475,10 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
 
 
 def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
-    """The strategy's own ``unsupported_reason``; a plugin that raises there fails its cell only."""
+    """The strategy's own ``unsupported_reason`` and row precision check; a plugin that raises
+    there fails its cell only."""
     try:
-        reason = cell.make_strategy().unsupported_reason(env)
+        reason = cell.make_strategy().refusal(env, cell.row_precision)
     except Exception as e:
         return CellOutcome("error", f"strategy {cell.strategy!r}: unsupported_reason raised {type(e).__name__}: {e}", None)
     return CellOutcome("unsupported", reason, None) if reason else None

@@ -163,6 +163,13 @@ class RankMetrics(TypedDict):
 
 
 @_open
+class WeightDistance(TypedDict):
+    max: NonNegative
+    mean: NonNegative
+    rows_trained: Count
+
+
+@_open
 class Metrics(TypedDict):
     """What an ``ok`` cell measured (:func:`embbench.runner.run_cell`)."""
 
@@ -190,6 +197,10 @@ class Metrics(TypedDict):
     weights_file: NotRequired[str | None]
     max_weight_diff_vs_baseline: NotRequired[NonNegative]
     weights_not_compared: NotRequired[str]  # why max_weight_diff_vs_baseline is absent
+    row_bytes: NotRequired[PositiveCount]  # one row's weights, scale and optimizer state in the row type
+    #: max and mean |Δw| from the same cell in fp32, over the rows that cell trained
+    weight_diff_vs_fp32: NotRequired[WeightDistance]
+    weights_not_compared_fp32: NotRequired[str]  # why weight_diff_vs_fp32 is absent
 
 
 @_open
@@ -244,6 +255,8 @@ class Record(BaseModel):
     strategy: str
     params: dict[str, Any]
     world_size: PositiveCount
+    #: the type the cell stored its rows in (``run.row_precision``); records before it: fp32
+    row_precision: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     status: Status
     message: str | None = None
     #: ``exact``: weights comparable with the baseline's; ``reordered``: compare by accuracy.
@@ -271,9 +284,10 @@ class Record(BaseModel):
     def _consistent(self) -> "Record":
         from embbench.scenario import Cell
 
-        expected = Cell(self.strategy, self.params, self.world_size).id
+        expected = Cell(self.strategy, self.params, self.world_size, self.row_precision).id
         if self.cell_id != expected:
-            raise _record_error("cell_id", f"{self.cell_id!r} does not match its strategy, params and world_size "
+            raise _record_error("cell_id", f"{self.cell_id!r} does not match its strategy, params, world_size "
+                                           "and row_precision "
                                            f"(which make {expected!r})")
         if self.status == "ok" and self.metrics is None:
             raise _record_error("metrics", "status ok without its measurements")
