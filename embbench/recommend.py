@@ -26,7 +26,8 @@ from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, step_time_test
 from embbench.results import Record
 
-__all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "format_bytes", "parse_size", "recommend"]
+__all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
+           "recommend"]
 
 #: The parameter that sizes a cache (a convention of the built-in cached strategies).
 CACHE_RATIO = "cache_ratio"
@@ -72,6 +73,8 @@ class Candidate:
     relative_to_best: float = 0.0
     p_value: float | None = None
     significant: bool | None = None
+    #: the type its rows are stored in (``run.row_precision``)
+    row_precision: str = "fp32"
 
 
 @dataclass
@@ -160,6 +163,14 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
     return suggestions, notes
 
 
+def accuracy_reference(records: list[Record]) -> Record | None:
+    """The cell every AUC is held against (``--auc-tolerance``): the baseline strategy's, with
+    rows in fp32 where the run has it (a cell in fp16, bf16 or fp8 is held against fp32, never
+    against another reduced precision)."""
+    measured = [r for r in records if r.strategy == r.baseline and r.status == "ok"]
+    return next((r for r in measured if r.row_precision == "fp32"), measured[0] if measured else None)
+
+
 def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.001, alpha: float = ALPHA,
               run_dir: str = "RUN") -> list[Recommendation]:
     """One recommendation per world size of the records (see the module doc); suggested
@@ -174,7 +185,7 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
     for world in sorted({r.world_size for r in records}):
         mine = [r for r in records if r.world_size == world]
         rec = Recommendation(world, None)
-        base = next((r for r in mine if r.strategy == r.baseline and r.status == "ok"), None)
+        base = accuracy_reference(mine)
         base_auc = rows[base.cell_id]["auc"] if base else None
         if base_auc is None:
             rec.notes.append(f"accuracy not checked: no measured AUC of the baseline ({mine[0].baseline}) at {world} rank(s)")
@@ -200,7 +211,8 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
             if why:
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:
-                fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"], row["auc"]))
+                fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"], row["auc"],
+                                         row_precision=r.row_precision))
         fitting.sort(key=lambda c: -c.throughput)
         if fitting:
             rec.best, rec.runners_up = fitting[0], fitting[1:]

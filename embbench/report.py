@@ -241,7 +241,8 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
             b = rec.best
             console.print(Text.assemble("recommended: ", (b.cell_id, "bold green"),
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
-                                        f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")))
+                                        f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
+                                        + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")))
         if rec.runners_up:
             table = Table(title="runners-up", header_style="bold", title_justify="left",
                           caption="vs best: throughput against the recommended cell; significant: Mann-Whitney U on per-step times")

@@ -1,6 +1,8 @@
 """Row precision (run.row_precision): the row types, stochastic rounding, the strategies that
 store rows in them, and what a record says."""
 
+import json
+
 import pytest
 import torch
 from hypothesis import assume, given, seed, settings, strategies as st
@@ -193,3 +195,47 @@ def test_fbgemms_cpu_kernels_are_refused_exactly_where_they_cannot_train(precisi
         assert reason.startswith(f"row_precision {precision}: fbgemm") and "CPU kernels cannot train" in reason
         with pytest.raises(NotImplementedError):
             module(features).sum().backward()
+
+
+# --- compare and recommend across precisions --------------------------------------------------
+
+
+def _precision_run():
+    from record_factory import make_record
+
+    return [make_record("device", auc=0.75, step_times=[0.02] * 12),
+            make_record("device", auc=0.7496, step_times=[0.01] * 12, row_precision="fp16", device_bytes=1 << 29),
+            make_record("device", auc=0.74, step_times=[0.005] * 12, row_precision="fp8", device_bytes=1 << 28),
+            make_record("freqcache", {"cache_ratio": 0.1}, auc=0.75, step_times=[0.015] * 12, row_precision="bf16")]
+
+
+def test_compare_matches_each_reduced_precision_with_the_same_cell_in_fp32(tmp_path, capsys):
+    from record_factory import write_run
+
+    from embbench.cli import main
+    from embbench.compare import compare_precisions
+
+    cells = {c.cell_id: c for c in compare_precisions(_precision_run())}
+    assert sorted(cells) == ["device@w1@fp16", "device@w1@fp8", "freqcache[cache_ratio=0.1]@w1@bf16"]
+    fp16 = cells["device@w1@fp16"]
+    assert fp16.comparable and fp16.deltas["throughput"].relative == pytest.approx(1.0)
+    assert fp16.deltas["auc"].direction == "worse" and fp16.deltas["device_bytes"].relative == pytest.approx(-0.5)
+    assert cells["freqcache[cache_ratio=0.1]@w1@bf16"].status_before is None  # no fp32 cell to match
+    run = write_run(tmp_path / "run", _precision_run())
+    assert main(["compare", str(run), "--match-on", "strategy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["cell_id"] for c in out["runs"][0]["cells"] if c["comparable"]] == ["device@w1@fp16", "device@w1@fp8"]
+    only_fp32 = write_run(tmp_path / "fp32", _precision_run()[:1])
+    assert main(["compare", str(only_fp32), "--match-on", "strategy"]) == 2
+    assert "no cell with rows in fp16, bf16 or fp8" in capsys.readouterr().err
+
+
+def test_recommend_holds_every_precision_to_the_fp32_baselines_auc_and_names_the_precision():
+    from embbench.recommend import Budget, recommend
+
+    records = _precision_run()
+    (rec,) = recommend(records[::-1], Budget(1 << 30), auc_tolerance=0.001)  # the fp32 baseline listed last
+    assert (rec.best.cell_id, rec.best.row_precision) == ("device@w1@fp16", "fp16")
+    assert "below the baseline's 0.7500" in rec.excluded["device@w1@fp8"]
+    (loose,) = recommend(records, Budget(1 << 30), auc_tolerance=0.02)
+    assert (loose.best.cell_id, loose.best.row_precision) == ("device@w1@fp8", "fp8")
