@@ -429,31 +429,43 @@ def _precision_pairs(runs):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from embbench.compare import ALPHA, TEST, compare_runs, parse_percent, regressions, to_json
+    from embbench.compare import (ALPHA, CANNOT_JUDGE, TEST, aa_noise_floor, cannot_judge, compare_runs, parse_percent,
+                                  regressions, same_code_and_scenario, to_json)
     from embbench.report import print_deltas
 
     threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
     runs = _load_runs(args.runs, need_records=False)  # a candidate whose records are all damaged fails the gate
     pairs = compare_runs(runs, ALPHA) if args.match_on == "cell" else _precision_pairs(runs)
-    failures = []
+    failures, undecided = [], []
     for run, cells in pairs:
         found = regressions(cells, threshold, run) if threshold is not None else []
         if threshold is not None and not found and not any(c.comparable for c in cells):
             raise ValueError(f"{run.label}: no cell is comparable with {runs[0].label}, so --fail-on cannot check anything")
         prefix = f"{run.label}: " if len(pairs) > 1 else ""
         failures += [prefix + why for why in found]
+        undecided += [prefix + why for why in cannot_judge(cells, threshold)] if threshold is not None else []
     if args.json:
-        print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures), indent=2))
+        print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures, undecided), indent=2))
     else:
         for run, cells in pairs:
             before = runs[0].label if args.match_on == "cell" else f"{run.label}: the same cell in fp32"
             after = run.label if args.match_on == "cell" else f"{run.label}: rows in fp16, bf16 or fp8"
             print_deltas(cells, before, after, TEST, console, _view(args))
+            floor = aa_noise_floor(cells) if args.match_on == "cell" and same_code_and_scenario(runs[0], run) else None
+            if floor:
+                console.print(Text(f"A/A: the same scenario and commit twice. Noise floor on this machine: throughput "
+                                   f"changed by up to {100 * floor[0]:.1f}% (intervals reach {100 * floor[1]:.1f}%); a "
+                                   "decision between placements must beat that", style="cyan"))
         if threshold is not None:
-            verdict = "\n".join(f"  {why}" for why in failures)
-            console.print(Text.assemble((f"regression beyond {args.fail_on}:", "red"), f"\n{verdict}") if failures
-                          else Text(f"no significant throughput drop beyond {args.fail_on}", style="green"))
-    return 1 if failures else 0
+            if failures:
+                console.print(Text.assemble((f"regression beyond {args.fail_on}:", "red"),
+                                            "\n" + "\n".join(f"  {why}" for why in failures)))
+            if undecided:
+                console.print(Text.assemble((f"cannot judge at {args.fail_on} (exit {CANNOT_JUDGE}):", "yellow"),
+                                            "\n" + "\n".join(f"  {why}" for why in undecided)))
+            if not failures and not undecided:
+                console.print(Text(f"no throughput drop beyond {args.fail_on}: every interval lies above it", style="green"))
+    return 1 if failures else CANNOT_JUDGE if undecided else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -627,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.set_defaults(func=cmd_recommend)
     comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
     comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")
-    comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput drops significantly by more than PCT (e.g. 5%%) or a cell fails")
+    comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput interval lies below -PCT (e.g. 5%%) "
+                      "or a cell fails; exit 3 when a run's noise (or a busy machine) is wider than PCT: cannot judge")
     comp.add_argument("--match-on", choices=("cell", "strategy"), default="cell",
                       help="cell: each run against the first, cell by cell (default); strategy: in each run, every cell "
                            "with rows in fp16/bf16/fp8 against the same strategy, parameters and ranks in fp32")

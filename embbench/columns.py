@@ -6,11 +6,13 @@ through :func:`flat_row`, so a number means the same thing in each of them.
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from embbench.results import Record
 
-__all__ = ["device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names"]
+__all__ = ["Speed", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed"]
 
 
 def get(d: Any, *keys: str) -> Any:
@@ -30,6 +32,44 @@ def gpu_names(provenance: dict[str, Any]) -> list[str]:
     return [str(g.get("name")) if isinstance(g, dict) else str(g) for g in gpus]
 
 
+@dataclass(frozen=True)
+class Speed:
+    """A cell's speed as every table states it: one statistic over repeats (:mod:`embbench.stats`)."""
+
+    #: the step time: the median of the repeat medians (of all steps, for records older than that)
+    step_s: float
+    #: global samples per second from that same step time
+    throughput: float
+    throughput_interval: tuple[float, float] | None
+    #: each repeat's median step
+    repeat_medians_s: list[float]
+    #: the interval's half-width over the step time (the larger side); None: no interval
+    noise: float | None
+    #: why the speed is not to be bet on (:func:`embbench.noise.flags`)
+    flags: list[str]
+
+
+def speed(metrics: dict[str, Any]) -> Speed:
+    """A record's :class:`Speed`. Records made before repeats were the unit are read by the same
+    rule: their repeat medians from the steps in order, their throughput interval recomputed."""
+    from embbench.noise import flags
+    from embbench.optional import MissingDependency
+    from embbench.stats import repeat_medians, summarize_repeats
+
+    step, rate, batch = metrics["step_time_s"], metrics["throughput"], metrics["samples_per_step"]
+    medians = step.get("repeat_medians") or repeat_medians(step["samples"], len(step["samples"]) // len(rate["per_repeat"]))
+    try:
+        summary = summarize_repeats(medians)
+    except MissingDependency:  # no scipy: the point without its interval
+        summary = None
+    step_s = step.get("median_of_repeats") or statistics.median(medians)
+    if summary is None:
+        interval, noise = None, None
+    else:
+        interval, noise = summary.throughput(batch)[1], summary.noise
+    return Speed(step_s, batch / step_s, interval, list(medians), noise, flags(metrics.get("noise"), noise))
+
+
 def device_need_bytes(memory: dict[str, Any]) -> int:
     """What must fit on one device: the measured peak allocation where the device reports
     one (CUDA), else the strategy's static device bytes (a CPU "device" has no allocator peak)."""
@@ -40,7 +80,8 @@ def device_need_bytes(memory: dict[str, Any]) -> int:
 def flat_row(record: Record) -> dict[str, Any]:
     """One cell's numbers and the raw fields people filter on, as ``column -> value``.
 
-    Scalars except ``throughput_per_repeat`` and ``step_time_samples`` (lists). Memory is per
+    Scalars except ``throughput_per_repeat``, ``step_time_repeat_medians`` and ``step_time_samples``
+    (lists). Memory is per
     rank (the largest rank) unless the column says ``all_ranks``; counters are per step.
     """
     p = record.provenance
@@ -58,18 +99,28 @@ def flat_row(record: Record) -> dict[str, Any]:
     if m:
         step, rate, mem = m["step_time_s"], m["throughput"], m["memory"]
         all_ranks = mem.get("sum") or mem
-        ci = rate.get("ci95") or [None, None]
+        fast = speed(m)
+        ci = fast.throughput_interval or [None, None]
+        cpu = m.get("cpu_seconds_per_step")
         row.update({
-            "throughput": rate["mean"],
+            "throughput": fast.throughput,
             "speedup": None,  # needs the baseline's record: see flat_rows
             "throughput_ci95_low": ci[0],
             "throughput_ci95_high": ci[1],
             **({"throughput_ci95_missing": rate["ci95_missing"]} if "ci95_missing" in rate else {}),
-            "step_time_median_s": step["median"],
+            "noise": fast.noise,
+            "flags": "; ".join(fast.flags),
+            "step_time_median_s": fast.step_s,
             "step_time_p95_s": step["p95"],
             "step_time_iqr_s": step["iqr"],
             "step_time_stddev_s": step["stddev"],
             "measured_steps": step["n"],
+            "repeats": len(fast.repeat_medians_s),
+            "threads": m.get("threads"),
+            "cpu_seconds_per_step": cpu,
+            # CPU seconds per wall second of a step, over every thread of every rank
+            "cpu_per_wall": cpu / fast.step_s if cpu is not None else None,
+            "others_cpu_share": get(m, "noise", "others_cpu_share"),
             "device_bytes": device_need_bytes(mem),
             "static_device_bytes": mem["static_device_bytes"],
             "peak_allocated_bytes": mem.get("peak_allocated_bytes"),
@@ -96,6 +147,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             **{k: m[k] for k in ("ops_per_step", "host_syncs_per_step", "warmup_steps_run", "weights_not_compared") if k in m},
             **{f"per_step.{k}": v for k, v in sorted((get(m, "counters", "per_step") or {}).items())},
             "throughput_per_repeat": rate["per_repeat"],
+            "step_time_repeat_medians": fast.repeat_medians_s,
             "step_time_samples": step["samples"],
         })
     row.update({
@@ -115,7 +167,7 @@ def flat_row(record: Record) -> dict[str, Any]:
 def flat_rows(records: list[Record]) -> list[dict[str, Any]]:
     """:func:`flat_row` of each record, with ``speedup``: its throughput over the baseline's
     of the same scenario at the same world size (None without a measured baseline)."""
-    base = {(r.scenario["digest"], r.world_size): r.metrics["throughput"]["mean"] for r in records
+    base = {(r.scenario["digest"], r.world_size): speed(r.metrics).throughput for r in records
             if r.strategy == r.baseline and r.status == "ok" and r.metrics}
     rows = []
     for r in records:

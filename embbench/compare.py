@@ -1,15 +1,15 @@
 """Runs side by side: cells matched by id, signed relative deltas, and whether a change in
 speed is more than noise.
 
-**The significance test.** Mann-Whitney U (two-sided) on the per-step times of the two
-cells (``metrics.step_time_s.samples``), at ``ALPHA``. Step times are skewed with a long
-tail (a collection, a page fault, a noisy neighbour), so a rank test is the right tool
-rather than one that assumes normality; and a run has tens of steps per cell but usually
-only three repeats, too few for a useful test on per-repeat throughput (Welch's t on
-three values each rarely detects anything, and a rank test on three values each cannot
-reach p < 0.1 at all). Steps of one run are not fully independent (a slow phase of the
-machine spans several), so read a small p-value as "a shift beyond this run's step-to-step
-noise", not as a guarantee that a rerun reproduces it.
+**The unit is the repeat** (:mod:`embbench.stats`): each repeat's median step time is one
+sample, because consecutive steps of one run are not independent and a second run meets the
+run-to-run variance, not the step-to-step one. Two cells are compared by Welch's t on the log of
+their repeat medians: the throughput ratio with its 95 % interval and a p-value.
+
+**The gate** (``--fail-on X%``): a cell regresses when its whole ratio interval lies below
+``1 - X``, measured on a machine that was not busy. Otherwise, when either run was busy or its
+noise (the half-width of its interval over repeats) is wider than X, the gate *cannot judge* at
+X: it says so with the noise and exits with :data:`CANNOT_JUDGE`, never with a pass or a fail.
 
 Everything here is a pure function of records; the CLI prints what it returns.
 """
@@ -20,17 +20,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from embbench.columns import flat_row, get, gpu_names
+from embbench.columns import flat_row, get, gpu_names, speed
 from embbench.results import Record, RecordError, by_scenario, load_records, scenario_differences
 from embbench.scenario import cell_slug
 
 __all__ = [
-    "ALPHA", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
-    "compare_precisions", "compare_runs", "fp32_cell_id", "load_runs", "parse_percent", "regressions", "step_time_test", "to_json", "what_differs",
+    "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
+    "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id", "load_runs", "parse_percent",
+    "regressions", "repeat_test", "same_code_and_scenario", "to_json", "what_differs",
 ]
 
 ALPHA = 0.05
-TEST = "Mann-Whitney U, two-sided, on per-step times"
+TEST = "Welch's t on the log of each repeat's median step time"
+#: ``compare --fail-on``'s exit code when the noise (or a busy machine) is wider than the threshold.
+CANNOT_JUDGE = 3
 
 #: Statuses of a cell that did not fail (``unsupported`` is a property of the machine).
 _NOT_FAILED = ("ok", "unsupported")
@@ -74,11 +77,26 @@ class Delta:
 
 @dataclass
 class Significance:
+    """The repeats of a cell in two runs, tested (:func:`embbench.stats.ratio_test`)."""
+
     test: str
     p_value: float | None
     significant: bool | None
-    n_before: int
+    n_before: int  # repeats
     n_after: int
+    #: throughput after / before (median of repeat medians) and its interval
+    ratio: float | None = None
+    interval: tuple[float, float] | None = None
+    #: each run's noise: the half-width of its interval over repeats, relative to its step time
+    noise_before: float | None = None
+    noise_after: float | None = None
+    #: why each side is not to be bet on (a busy machine, a wide interval)
+    flags_before: list[str] = field(default_factory=list)
+    flags_after: list[str] = field(default_factory=list)
+
+    @property
+    def busy(self) -> list[str]:
+        return [f for f in self.flags_before + self.flags_after if f.startswith("busy")]
 
 
 @dataclass
@@ -165,20 +183,20 @@ def parse_percent(text: str) -> float:
     return fraction
 
 
-def step_time_test(before: list[float], after: list[float], alpha: float = ALPHA) -> Significance:
-    """Mann-Whitney U (two-sided) of two cells' per-step times (see the module doc).
+def repeat_test(before: dict[str, Any], after: dict[str, Any], alpha: float = ALPHA) -> Significance:
+    """Two cells' repeats tested (Welch's t on the log of the repeat medians; see the module doc),
+    from their records' metrics.
 
     Raises:
         MissingDependency: scipy is not installed.
     """
-    from embbench.optional import require
+    from embbench.stats import ratio_test
 
-    stats = require("scipy.stats", "the significance test (Mann-Whitney U)")
-
-    if len(before) < 2 or len(after) < 2:
-        return Significance(TEST, None, None, len(before), len(after))
-    p = float(stats.mannwhitneyu(before, after, alternative="two-sided").pvalue)
-    return Significance(TEST, p, p < alpha, len(before), len(after))
+    a, b = speed(before), speed(after)
+    result = ratio_test(a.repeat_medians_s, b.repeat_medians_s)
+    significant = None if result.p_value is None else result.p_value < alpha
+    return Significance(TEST, result.p_value, significant, result.n_before, result.n_after, result.ratio,
+                        result.interval, a.noise, b.noise, a.flags, b.flags)
 
 
 def _delta(before: float | None, after: float | None, higher_is_better: bool) -> Delta:
@@ -236,7 +254,7 @@ def compare_records(before: list[Record], after: list[Record], alpha: float = AL
         if a and b and cell.comparable:
             row_a, row_b = flat_row(a), flat_row(b)
             cell.deltas = {m.key: _delta(m.read(row_a), m.read(row_b), m.higher_is_better) for m in METRICS}
-            cell.significance = step_time_test(row_a["step_time_samples"], row_b["step_time_samples"], alpha)
+            cell.significance = repeat_test(a.metrics, b.metrics, alpha)
         out.append(cell)
     return out
 
@@ -249,11 +267,11 @@ def compare_runs(runs: list[Run], alpha: float = ALPHA) -> list[tuple[Run, list[
 
 
 def regressions(cells: list[CellComparison], threshold: float, candidate: Run | None = None) -> list[str]:
-    """Why a regression gate fails: a cell whose throughput dropped by more than
-    ``threshold`` (a fraction) with a significant change in step times, or a cell that ran
-    in the baseline and failed (error, oom, timeout, ...) in the candidate, or is missing
-    from it, or whose record there is damaged (a non-finite figure included: ``candidate``
-    says which files were left out)."""
+    """Why a regression gate fails: a cell whose whole throughput-ratio interval lies below
+    ``1 - threshold`` (a fraction) on machines that were not busy, or a cell that ran in the
+    baseline and failed (error, oom, timeout, ...) in the candidate, or is missing from it, or
+    whose record there is damaged (a non-finite figure included: ``candidate`` says which
+    files were left out)."""
     out = []
     for cell in cells:
         if cell.status_before == "ok" and cell.status_after is None:
@@ -264,25 +282,75 @@ def regressions(cells: list[CellComparison], threshold: float, candidate: Run | 
         if cell.status_before == "ok" and cell.status_after is not None and cell.status_after not in _NOT_FAILED:
             out.append(f"{cell.cell_id}: was ok, now {cell.status_after}")
             continue
-        rate = cell.deltas.get("throughput")
-        if rate and rate.relative is not None and rate.relative < -threshold and cell.significance \
-                and cell.significance.significant:
-            out.append(f"{cell.cell_id}: throughput {100 * rate.relative:+.1f}% "
-                       f"(p={cell.significance.p_value:.2g}, beyond -{100 * threshold:g}%)")
+        sig = cell.significance
+        if sig and sig.interval and sig.interval[1] < 1 - threshold and not sig.busy:
+            out.append(f"{cell.cell_id}: throughput {100 * (sig.ratio - 1):+.1f}% (95% interval "
+                       f"{100 * (sig.interval[0] - 1):+.1f}% to {100 * (sig.interval[1] - 1):+.1f}%, "
+                       f"beyond -{100 * threshold:g}%)")
     return out
 
 
+def cannot_judge(cells: list[CellComparison], threshold: float) -> list[str]:
+    """The comparable cells a gate at ``threshold`` cannot judge, each with why: either run was
+    measured on a busy machine, or its noise (over repeats) is wider than the threshold, or it
+    has one repeat (no interval). A cell :func:`regressions` already fails is not listed."""
+    out = []
+    for cell in cells:
+        sig = cell.significance
+        if not cell.comparable or sig is None:
+            continue
+        if sig.interval and sig.interval[1] < 1 - threshold and not sig.busy:
+            continue  # a regression, whatever the noise
+        if sig.busy:
+            out.append(f"{cell.cell_id}: cannot judge at {100 * threshold:g}%: {'; '.join(dict.fromkeys(sig.busy))}")
+        elif sig.interval is None:
+            out.append(f"{cell.cell_id}: cannot judge at {100 * threshold:g}%: one repeat, no interval (run.repeats >= 2)")
+        else:
+            noise = max(n for n in (sig.noise_before, sig.noise_after) if n is not None)
+            if noise > threshold:
+                out.append(f"{cell.cell_id}: cannot judge at {100 * threshold:g}%: noise ±{100 * noise:.1f}%")
+    return out
+
+
+def same_code_and_scenario(a: Run, b: Run) -> bool:
+    """Whether two runs are an A/A pair: the same effective scenario by the same clean commit."""
+    def identity(run: Run) -> set[tuple[Any, Any, Any]]:
+        return {(r.scenario.get("digest"), get(r.provenance, "git", "commit"), get(r.provenance, "git", "dirty"))
+                for r in run.records}
+
+    ida, idb = identity(a), identity(b)
+    return len(ida) == 1 and ida == idb and None not in next(iter(ida))[:2] and next(iter(ida))[2] is False
+
+
+def aa_noise_floor(cells: list[CellComparison]) -> tuple[float, float] | None:
+    """Over the comparable cells of an A/A pair: the largest throughput change seen, and the
+    largest reach of a ratio interval (both as fractions): what a decision between two
+    placements must beat on this machine. None without a comparable cell."""
+    tests = [c.significance for c in cells if c.comparable and c.significance and c.significance.ratio]
+    if not tests:
+        return None
+    change = max(abs(t.ratio - 1) for t in tests)
+    reach = max((max(abs(t.interval[0] - 1), abs(t.interval[1] - 1)) for t in tests if t.interval), default=change)
+    return change, reach
+
+
 def to_json(pairs: list[tuple[Run, list[CellComparison]]], baseline: Run, alpha: float,
-            threshold: float | None, failures: list[str]) -> dict[str, Any]:
+            threshold: float | None, failures: list[str], undecided: list[str] = ()) -> dict[str, Any]:
     """The comparison as plain data (what ``compare --json`` prints)."""
+    def floor(run: Run, cells: list[CellComparison]) -> dict[str, float] | None:
+        found = aa_noise_floor(cells) if same_code_and_scenario(baseline, run) else None
+        return {"largest_change": found[0], "largest_interval_reach": found[1]} if found else None
+
     return {
         "baseline_run": baseline.label,
         "test": TEST,
         "alpha": alpha,
         "fail_on": threshold,
         "regressions": failures,
+        "cannot_judge": list(undecided),
         "runs": [{
             "run": run.label,
+            "aa_noise_floor": floor(run, cells),
             "cells": [{**asdict(c), "comparable": c.comparable} for c in cells],
         } for run, cells in pairs],
     }

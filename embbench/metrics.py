@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "confidence_interval", "auc_logloss", "peak_rss_bytes",
+__all__ = ["belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
            "device_memory", "OpCounter", "miss_rate", "warmed_up"]
 
 
@@ -137,25 +137,6 @@ def warmed_up(window_rates: list[float | None], tolerance: float = 0.002) -> boo
     return len(window_rates) >= 2 and window_rates[-2] is not None and window_rates[-1] >= window_rates[-2] - tolerance
 
 
-def confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """Confidence interval of the mean (Student t at n - 1 degrees of freedom), or None for
-    fewer than two values.
-
-    Raises:
-        MissingDependency: scipy (the t quantile) is not installed.
-    """
-    from embbench.optional import require
-
-    stats = require("scipy.stats", "the confidence interval of the throughput")
-
-    if len(values) < 2:
-        return None
-    mean = statistics.fmean(values)
-    quantile = float(stats.t.ppf((1 + level) / 2, len(values) - 1))
-    half = quantile * statistics.stdev(values) / math.sqrt(len(values))
-    return mean - half, mean + half
-
-
 def _percentile(sorted_values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default) of sorted values."""
     pos = (len(sorted_values) - 1) * q
@@ -177,6 +158,27 @@ def summarize(samples: list[float]) -> dict[str, Any]:
         "iqr": _percentile(s, 0.75) - _percentile(s, 0.25),
         "samples": samples,
     }
+
+
+def speed_figures(step_seconds: list[float], steps_per_repeat: int, samples_per_step: int) -> tuple[dict, dict]:
+    """A record's ``step_time_s`` and ``throughput``: every step summarized, and the speed over
+    repeats (:mod:`embbench.stats`): the median of the repeat medians and, from the same statistic,
+    the throughput; each with its interval (None without scipy, said in ``ci95_missing``)."""
+    from embbench.optional import MissingDependency
+    from embbench.stats import repeat_medians, summarize_repeats
+
+    medians = repeat_medians(step_seconds, steps_per_repeat)
+    step_time = {**summarize(step_seconds), "repeat_medians": medians, "median_of_repeats": statistics.median(medians)}
+    throughput: dict[str, Any] = {"unit": "samples/s (global)", "statistic": "global batch / median of repeat medians",
+                                  "per_repeat": [samples_per_step / m for m in medians],
+                                  "median": samples_per_step / step_time["median_of_repeats"]}
+    try:
+        repeats = summarize_repeats(medians)
+        step_time["ci95"], throughput["ci95"] = repeats.step_interval_s, repeats.throughput(samples_per_step)[1]
+    except MissingDependency as e:  # the measurement stands; only its interval is missing
+        step_time["ci95"] = throughput["ci95"] = None
+        throughput["ci95_missing"] = str(e)
+    return step_time, throughput
 
 
 def auc_logloss(logits: Tensor, labels: Tensor) -> tuple[float, float]:

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from embbench.columns import flat_row
+from embbench.columns import flat_row, speed
 from embbench.commands import effective_flags, run_command
-from embbench.compare import ALPHA, step_time_test
+from embbench.compare import ALPHA, repeat_test
 from embbench.results import Record
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
@@ -69,10 +69,14 @@ class Candidate:
     device_bytes: int
     host_bytes: int
     auc: float | None
-    #: against the fastest cell: ``throughput / best - 1`` and the step-time test's verdict
+    #: against the fastest cell: ``throughput / best - 1`` and the repeats' test verdict
     relative_to_best: float = 0.0
     p_value: float | None = None
     significant: bool | None = None
+    #: the interval of ``throughput / best`` (Welch's t over repeats)
+    interval: tuple[float, float] | None = None
+    #: why this cell's speed is not to be bet on (a busy machine, a wide interval)
+    flags: list[str] = field(default_factory=list)
     #: the type its rows are stored in (``run.row_precision``)
     row_precision: str = "fp32"
 
@@ -97,6 +101,8 @@ class Recommendation:
     excluded: dict[str, str] = field(default_factory=dict)  # cell id -> why
     suggestions: list[Suggestion] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: what must be read before the answer: a CPU run, a winner not ahead beyond noise, a busy machine
+    caveats: list[str] = field(default_factory=list)
 
 
 def _round_down(x: float, digits: int = 2) -> float:
@@ -171,6 +177,21 @@ def accuracy_reference(records: list[Record]) -> Record | None:
     return next((r for r in measured if r.row_precision == "fp32"), measured[0] if measured else None)
 
 
+def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
+    """Why the winner may not be the winner: a runner-up whose interval reaches it (not slower
+    beyond noise), or a winner measured on a busy machine or with a wide interval."""
+    out = []
+    close = [c for c in runners_up if c.interval is None or c.interval[1] >= 1]
+    if close:
+        out.append(f"{best.cell_id} is not faster beyond noise than " + ", ".join(
+            c.cell_id + ("" if c.interval is None else f" ({100 * (c.interval[0] - 1):+.0f}% to {100 * (c.interval[1] - 1):+.0f}%)")
+            for c in close[:3]) + (f" and {len(close) - 3} more" if len(close) > 3 else "")
+            + ": run more repeats, or choose among them by memory or accuracy")
+    if best.flags:
+        out.append(f"{best.cell_id}: {'; '.join(best.flags)}")
+    return out
+
+
 def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.001, alpha: float = ALPHA,
               run_dir: str = "RUN") -> list[Recommendation]:
     """One recommendation per world size of the records (see the module doc); suggested
@@ -211,15 +232,20 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
             if why:
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:
-                fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"], row["auc"],
-                                         row_precision=r.row_precision))
+                fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"],
+                                         row["auc"], flags=speed(r.metrics).flags, row_precision=r.row_precision))
         fitting.sort(key=lambda c: -c.throughput)
+        if any(str(r.metrics.get("device", "")).startswith("cpu") for r in mine if r.metrics):
+            rec.caveats.append("measured with the host CPU as the device: this ranks the cells of this machine, it "
+                               "is not a placement decision (measure on the GPU you will train on)")
         if fitting:
             rec.best, rec.runners_up = fitting[0], fitting[1:]
+            metrics = {r.cell_id: r.metrics for r in mine}
             for c in rec.runners_up:
                 c.relative_to_best = c.throughput / rec.best.throughput - 1
-                test = step_time_test(rows[rec.best.cell_id]["step_time_samples"], rows[c.cell_id]["step_time_samples"], alpha)
-                c.p_value, c.significant = test.p_value, test.significant
+                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha)
+                c.p_value, c.significant, c.interval = test.p_value, test.significant, test.interval
+            rec.caveats += _winner_caveats(rec.best, rec.runners_up)
         else:
             needs = [rows[r.cell_id]["device_bytes"] for r in mine if r.status == "ok"]
             rec.notes.append("no measured cell qualifies" + (

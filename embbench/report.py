@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from embbench.columns import device_need_bytes
+from embbench.columns import device_need_bytes, speed
 from embbench.compare import METRICS, CellComparison, Delta, Significance
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
@@ -56,11 +56,12 @@ def _hit_rates(hit, bound, unique_hit, unique_bound) -> str:
 RESULT_COLUMNS = [
     Column("cell", "cell", always=True, justify="left"),
     Column("status", "status", always=True, justify="left"),
-    Column("throughput", "samples/s\n(95% CI)", always=True),
-    Column("step_ms", "step ms\nmedian / p95", always=True),
+    Column("throughput", "samples/s\n(95% interval)", always=True),
+    Column("step_ms", "step ms\nrepeats / p95", always=True),
     Column("speedup", "speedup", always=True),
     Column("device_mib", "device MiB\nstatic / peak"),
-    Column("hit_rate", "hit rate\n(bound)"),
+    Column("hit_rate", "hit rate\n(MIN est.)"),
+    Column("cpu", "CPU\ncores busy"),
     Column("host_mib", "host MiB"),
     Column("auc", "AUC"),
     Column("comm", "comm\nMiB/step"),
@@ -83,8 +84,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         return row
     m = r.metrics
     step = m["step_time_s"]
-    ci = m["throughput"]["ci95"]
-    rate = m["throughput"]["mean"]
+    fast = speed(m)
+    ci, rate = fast.throughput_interval, fast.throughput
+    cpu = m.get("cpu_seconds_per_step")
     base = baseline_rate.get((r.scenario["digest"], r.world_size))
     per_step = _get(m, "counters", "per_step") or {}
     mem = m["memory"]
@@ -97,9 +99,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
     host = mem["static_host_bytes"] + mem["pinned_bytes"]
     row.cells.update({
-        "step_ms": f"{step['median'] * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
-        "throughput": f"{rate:,.0f}" + (f" ±{(ci[1] - ci[0]) / 2:,.0f}" if ci else
-                                        " (no CI: no scipy)" if m["throughput"].get("ci95_missing") else ""),
+        "step_ms": f"{fast.step_s * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
+        "throughput": _throughput_text(rate, ci, fast.flags, bool(m["throughput"].get("ci95_missing"))),
+        "cpu": "" if cpu is None else f"{cpu / fast.step_s:,.2f}",
         "speedup": f"{rate / base:.2f}x" if base else "-",
         "hit_rate": _hit_rates(hit, bound, unique_hit, _get(m, "extra", "belady_unique_hit_rate")),
         "h2d_d2h": "" if not moved else
@@ -115,7 +117,7 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "order": "" if r.semantics == "exact" else r.semantics,
     })
     row.sort.update({
-        "step_ms": step["median"], "throughput": rate, "speedup": rate / base if base else None,
+        "step_ms": fast.step_s, "throughput": rate, "cpu": None if cpu is None else cpu / fast.step_s, "speedup": rate / base if base else None,
         "hit_rate": hit if hit is not None else unique_hit, "h2d_d2h": moved or None,
         "comm": per_step.get("bytes_comm"), "device_mib": device_need_bytes(mem), "host_mib": host,
         "auc": auc, "logloss": logloss, "max_dw": diff, "ops_syncs": ops,
@@ -123,33 +125,60 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     return row
 
 
+def _throughput_text(rate: float, interval: tuple[float, float] | None, flags: list[str], no_scipy: bool) -> Text:
+    """``14,099 (13,500-14,700)``, and a mark where the cell is not to be bet on."""
+    text = Text(f"{rate:,.0f}")
+    if interval:
+        text.append(f" ({interval[0]:,.0f}-{interval[1]:,.0f})", style="dim")
+    elif no_scipy:
+        text.append(" (no interval: no scipy)", style="dim")
+    for kind in dict.fromkeys(f.split(":")[0] for f in flags):
+        text.append(f" {kind}!", style="bold yellow")
+    return text
+
+
+def host_device_caption(records: list[Record]) -> str | None:
+    """What comes first on every table of a run whose device was the host: it is no placement result."""
+    if any(r.metrics and str(r.metrics.get("device", "")).startswith("cpu") for r in records):
+        return ("the device here is the host CPU: these speeds show the machinery, not a placement decision "
+                "(run on the GPU you will train on for that)")
+    return None
+
+
 def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     """One row per cell: speed against the baseline, memory, accuracy, cache counters."""
     baseline_name = records[0].baseline if records else None
     records = sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
     baseline_rate = {  # never across scenarios: a record's speedup is against its own scenario's baseline
-        (r.scenario["digest"], r.world_size): r.metrics["throughput"]["mean"]
+        (r.scenario["digest"], r.world_size): speed(r.metrics).throughput
         for r in records if r.strategy == baseline_name and r.status == "ok"
     }
     notes = {
+        "throughput": "samples/s: the global batch over the median of the repeats' median steps, with its 95% "
+                      "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
+                      "timed, wide!: its interval is wider than ±10%",
         "speedup": f"speedup against {baseline_name} at the same ranks",
-        "hit_rate": "hit rate per access (per distinct row where only that is counted), Belady's bound in brackets "
-                    "(uniq: per distinct row of each batch)",
+        "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN: per "
+                    "access an estimate a policy can beat, per distinct row (uniq) a bound",
+        "cpu": "CPU: CPU seconds of every thread of every rank per second of step (what work moved off the clock costs)",
         "device_mib": "device MiB: the largest rank",
         "comm": "comm: bytes all ranks send to each other",
         "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
         "max_dw": "max |Δw| only where the training order is the baseline's",
     }
-    return Grid(RESULT_COLUMNS, [_row(r, baseline_rate) for r in records], title=title, notes=notes)
+    return Grid(RESULT_COLUMNS, [_row(r, baseline_rate) for r in records], title=title, notes=notes,
+                caption=host_device_caption(records))
 
 
 def print_comparison(records: list[Record], console: Console | None = None, title: str | None = None,
                      view: View = View()) -> None:
     console = console or Console()
     print_grid(comparison_grid(records, title), console, view)
-    for r in records:  # why a cell has no numbers
+    for r in records:  # why a cell has no numbers, or numbers not to bet on
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
+        elif r.status == "ok" and r.metrics and speed(r.metrics).flags:
+            console.print(Text(f"{r.cell_id}: {'; '.join(speed(r.metrics).flags)}", style="yellow"))
 
 
 _DIRECTION_STYLE = {"better": "green", "worse": "red", "same": "dim"}
@@ -166,9 +195,15 @@ def _delta_text(delta: Delta | None, with_values: str | None = None) -> Text:
 
 
 def _significance_text(sig: Significance | None) -> Text:
+    """``yes p=0.003 [-12%, -4%]`` (the throughput ratio's interval), and busy!/wide! marks."""
     if sig is None or sig.p_value is None:
         return Text("n/a", style="dim")
-    return Text(f"yes p={sig.p_value:.2g}", style="bold") if sig.significant else Text(f"no p={sig.p_value:.2g}", style="dim")
+    text = Text(f"yes p={sig.p_value:.2g}", style="bold") if sig.significant else Text(f"no p={sig.p_value:.2g}", style="dim")
+    if sig.interval:
+        text.append(f" [{100 * (sig.interval[0] - 1):+.1f}%, {100 * (sig.interval[1] - 1):+.1f}%]")
+    for kind in dict.fromkeys(f.split(":")[0] for f in sig.flags_before + sig.flags_after):
+        text.append(f" {kind}!", style="bold yellow")
+    return text
 
 
 def _status_change(cell: CellComparison, before: str, after: str) -> Text:
@@ -237,19 +272,27 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
                        f"from the records in {source} (measured only)"))
     for rec in recs:
         console.print(Text(f"\n{rec.world_size} rank(s)", style="bold"))
+        # A CPU run's caveat comes before the answer; the others right after it.
+        host_first = [c for c in rec.caveats if c.startswith("measured with the host")]
+        for caveat in host_first:
+            console.print(Text(f"read first: {caveat}", style="bold yellow"))
         if rec.best:
             b = rec.best
             console.print(Text.assemble("recommended: ", (b.cell_id, "bold green"),
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
                                         f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
                                         + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")))
+        for caveat in rec.caveats:
+            if caveat not in host_first:
+                console.print(Text(f"caveat: {caveat}", style="yellow"))
         if rec.runners_up:
             table = Table(title="runners-up", header_style="bold", title_justify="left",
-                          caption="vs best: throughput against the recommended cell; significant: Mann-Whitney U on per-step times")
+                          caption="vs best: throughput against the recommended cell; significant: Welch's t over repeats, "
+                                  "with the 95% interval of the ratio")
             for col in ["cell", "samples/s", "vs best", "significant", "device", "host", "AUC"]:
                 table.add_column(col, justify="left" if col == "cell" else "right")
             for c in rec.runners_up:
-                sig = Significance("", c.p_value, c.significant, 0, 0)
+                sig = Significance("", c.p_value, c.significant, 0, 0, interval=c.interval, flags_after=c.flags)
                 table.add_row(Text(c.cell_id), f"{c.throughput:,.0f}", f"{100 * c.relative_to_best:+.1f}%",
                               _significance_text(sig), format_bytes(c.device_bytes), format_bytes(c.host_bytes),
                               "-" if c.auc is None else f"{c.auc:.4f}")

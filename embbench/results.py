@@ -70,16 +70,26 @@ class StepTimes(TypedDict):
     stddev: NonNegative
     iqr: NonNegative
     samples: Annotated[list[Positive], Field(min_length=1)]
+    #: each repeat's median step (records before repeats were the unit lack these three)
+    repeat_medians: NotRequired[Annotated[list[Positive], Field(min_length=1)]]
+    #: the cell's step time: the median of the repeat medians
+    median_of_repeats: NotRequired[Positive]
+    #: its 95% interval, t on the log scale of the repeat medians; None: one repeat, or no scipy
+    ci95: NotRequired[Annotated[tuple[Positive, Positive] | None, AfterValidator(_ordered_interval)]]
 
 
 @_open
 class Throughput(TypedDict):
-    """Samples per second over all ranks, per repeat and their mean."""
+    """Samples per second over all ranks: the global batch over the median of the repeat medians
+    (``median``), per repeat, and its interval; records made before repeats were the unit hold
+    the mean of per-repeat throughputs (``mean``) and a t interval of it instead."""
 
     unit: NotRequired[str]
+    statistic: NotRequired[str]
     per_repeat: Annotated[list[Positive], Field(min_length=1)]
-    mean: Positive
-    #: the 95% confidence interval [low, high] of the mean; None: fewer than two repeats, or no scipy
+    median: NotRequired[Positive]
+    mean: NotRequired[Positive]
+    #: the 95% interval [low, high]; None: fewer than two repeats, or no scipy
     ci95: Annotated[tuple[Finite, Finite] | None, AfterValidator(_ordered_interval)]
     ci95_missing: NotRequired[str]  # why there is no interval (scipy missing)
 
@@ -183,6 +193,10 @@ class Metrics(TypedDict):
     build_seconds: NotRequired[NonNegative]
     step_time_s: StepTimes
     throughput: Throughput
+    threads: NotRequired[PositiveCount]  # intra-op threads per rank
+    usable_cores: NotRequired[PositiveCount]  # the cores the ranks could use (affinity, cgroup quota)
+    cpu_seconds_per_step: NotRequired[NonNegative]  # every thread of every rank, in the timed steps
+    noise: NotRequired[dict[str, Any]]  # the machine while the steps were timed (embbench.noise.noise_floor)
     generator_samples_per_s: NotRequired[Positive]
     generator_cuda_graph: NotRequired[bool | None]
     ops_per_step: NotRequired[NonNegative]
@@ -291,6 +305,8 @@ class Record(BaseModel):
                                            f"(which make {expected!r})")
         if self.status == "ok" and self.metrics is None:
             raise _record_error("metrics", "status ok without its measurements")
+        if self.metrics is not None and not {"median", "mean"} & set(self.metrics["throughput"]):
+            raise _record_error("metrics.throughput", "neither median nor mean")
         if self.status != "ok" and self.metrics is not None:
             raise _record_error("metrics", f"measurements in a record of status {self.status} (only ok has them)")
         if self.status != "ok" and not (self.message or "").strip():

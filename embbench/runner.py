@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
+from embbench import noise
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
-from embbench.metrics import (OpCounter, StepTimer, auc_logloss, confidence_interval, device_memory, miss_rate,
-                              peak_rss_bytes, summarize, warmed_up)
+from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, miss_rate, peak_rss_bytes,
+                              speed_figures, warmed_up)
 from embbench.model import build_model
-from embbench.optional import MissingDependency
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
 from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
@@ -98,6 +98,7 @@ class _Training:
     dense_optimizer: torch.optim.Optimizer
     loss_fn: torch.nn.Module = field(default_factory=torch.nn.BCEWithLogitsLoss)
     step_index: int = 0
+    batch_cpu_seconds: float = 0.0
     row_bytes: int = 0  # one row's weights, scale and optimizer state in the cell's row type
 
     @property
@@ -145,8 +146,11 @@ class _Training:
         self.stream.release(self.step_index)
 
     def timed_step(self) -> tuple[float, torch.Tensor]:
-        """Make this step's batches (untimed), then time the step."""
+        """Make this step's batches (untimed, where not made yet; the main thread's CPU time for
+        it is added to ``batch_cpu_seconds``), then time the step."""
+        made = time.thread_time()
         self.prepare()
+        self.batch_cpu_seconds += time.thread_time() - made
         with StepTimer(self.device) as timer:
             loss = self.train_step()
         self.step_index += 1
@@ -244,31 +248,48 @@ def _generator_rate(training: _Training) -> float:
 @dataclass
 class _Timing:
     step_seconds: list[float]
-    repeat_throughput: list[float]
     losses: list[torch.Tensor]
     counters: dict[str, int]
+    #: this rank's CPU seconds (every thread) in its timed steps, the untimed batch-making excluded
+    cpu_seconds: float
+    #: the machine sampled at the start and the end of the timed steps (:func:`embbench.noise.sample`)
+    machine: tuple[dict[str, Any], dict[str, Any]]
+    #: this process's CPU seconds over that whole window (what the noise floor subtracts)
+    window_cpu_seconds: float
 
 
 def _time_steps(training: _Training, report: "_Progress") -> _Timing:
-    """``repeats`` x ``steps`` timed steps, and the strategy's counters over them."""
+    """``repeats`` x ``steps`` timed steps, and the strategy's counters over them.
+
+    Each repeat's batches are made before it, untimed, and the main thread's CPU time for making
+    batches is taken out of the cell's CPU time, so that it holds every thread's work on the steps
+    (a strategy's own threads included). The intra-op threads that help make a batch are not
+    taken out: their share is the same for every strategy of a scenario.
+    """
     run = training.run
     first_step = training.step_index
     counters_before = training.sparse.counters()
     step_seconds: list[float] = []
-    repeat_throughput: list[float] = []
     losses: list[torch.Tensor] = []
+    gpu = noise.gpu_id(training.device)
+    start = noise.sample(gpu)
+    batch_cpu_before = training.batch_cpu_seconds
     for repeat in range(run.repeats):
-        repeat_seconds = 0.0
+        made = time.thread_time()
+        training.prepare(run.steps)
+        training.batch_cpu_seconds += time.thread_time() - made
         for k in range(run.steps):
             report("measure", repeat * run.steps + k, run.repeats * run.steps)
             seconds, loss = training.timed_step()
             step_seconds.append(seconds)
             losses.append(loss)
-            repeat_seconds += seconds
-        repeat_throughput.append(run.steps * training.global_batch / repeat_seconds)
         _check_finite(losses[-run.steps:], first_step + repeat * run.steps)
+    end = noise.sample(gpu)
     counters = _sum_counters(counters_before, training.sparse.counters())
-    return _Timing(step_seconds, repeat_throughput, losses, counters)
+    window_cpu = end["process_cpu_s"] - start["process_cpu_s"]
+    making_batches = training.batch_cpu_seconds - batch_cpu_before
+    return _Timing(step_seconds, losses, counters, max(0.0, window_cpu - making_batches),
+                   (start, end), window_cpu)
 
 
 def _count_ops(training: _Training) -> OpCounter:
@@ -368,18 +389,18 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         "counters": timing.counters,
         # the time of the steps the counters cover, on this rank (the projection subtracts them)
         "measured_seconds": sum(timing.step_seconds),
+        "cpu_seconds": timing.cpu_seconds,
+        "window_cpu_seconds": timing.window_cpu_seconds,
+        "pid": os.getpid(),
         "extra": sparse.extra_metrics(),
     }
     ranks = _gather_objects(this_rank, env, training.process_group)
     total = {k: sum(r["counters"].get(k, 0) for r in ranks) for k in ranks[0]["counters"]}
     measured_steps = run.steps * run.repeats
-    throughput = {"unit": "samples/s (global)", "per_repeat": timing.repeat_throughput,
-                  "mean": sum(timing.repeat_throughput) / len(timing.repeat_throughput)}
-    try:
-        throughput["ci95"] = confidence_interval(timing.repeat_throughput)
-    except MissingDependency as e:  # the measurement stands; only its interval is missing
-        throughput["ci95"], throughput["ci95_missing"] = None, str(e)
     data, global_batch = training.data, training.global_batch
+    step_time, throughput = speed_figures(timing.step_seconds, run.steps, global_batch)
+    own_cpu = sum(r["window_cpu_seconds"] for r in ranks)
+    machine = noise.noise_floor(*timing.machine, own_cpu, {r["pid"] for r in ranks})
     return {
         "device": str(device),
         "world_size": env.world_size,
@@ -389,8 +410,13 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         "warmup_steps_run": warmup.steps_run,
         "warmup_miss_rates": warmup.miss_rates,
         "build_seconds": training.build_seconds,
-        "step_time_s": summarize(timing.step_seconds),
+        "step_time_s": step_time,
         "throughput": throughput,
+        "threads": torch.get_num_threads(),
+        "usable_cores": noise.usable_cores()[0],
+        # every thread's CPU time in the timed steps, per step: summed over ranks, as throughput is
+        "cpu_seconds_per_step": sum(r["cpu_seconds"] for r in ranks) / measured_steps,
+        "noise": machine,
         "generator_samples_per_s": generator_rate,
         # whether the data source replays its batches from a CUDA graph (None: it does not say)
         "generator_cuda_graph": data.uses_cuda_graph(global_batch) if hasattr(data, "uses_cuda_graph") else None,
@@ -550,7 +576,7 @@ def main(spec_path: str) -> int:
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
             group = dist.group.WORLD
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(scenario.run.threads_per_rank(world))
         env = RuntimeEnv(device=device, world_size=world, rank=rank)
         weights = Path(spec["weights"]) if spec.get("weights") else None
         profile = Path(spec["profile"]) if spec.get("profile") else None

@@ -159,6 +159,9 @@ class RunConfig(_Strict):
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
     )
+    threads: int | Literal["auto"] = Field(
+        "auto", description="intra-op CPU threads per rank ('auto': the cores this process may use, CPU affinity "
+                            "and cgroup quota, divided by the ranks, so ranks x threads never exceeds them)")
     dense_precision: DensePrecision = Field(
         "fp32", description="the dense model's arithmetic: fp32, tf32 (CUDA matmuls) or bf16 (autocast); embeddings stay fp32")
 
@@ -191,6 +194,21 @@ class RunConfig(_Strict):
         if not sizes or any(w < 1 for w in sizes):
             raise ValueError(f"must be at least 1 (or a non-empty list of such), got {value}")
         return value
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _at_least_one_thread(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+            raise ValueError(f"must be 'auto' or at least 1, got {value!r}")
+        return value
+
+    def threads_per_rank(self, world_size: int) -> int:
+        """The intra-op threads each of ``world_size`` ranks runs with on this machine."""
+        if self.threads != "auto":
+            return self.threads
+        from embbench.noise import usable_cores
+
+        return max(1, usable_cores()[0] // world_size)
 
     @property
     def warmup_bound(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from embbench.metrics import confidence_interval, summarize
+from embbench.metrics import speed_figures
 from embbench.results import Record, write_record
 from embbench.scenario import Cell
 
@@ -27,20 +27,18 @@ def make_record(strategy: str = "device", params: dict | None = None, world_size
                 digest: str = "d" * 64, provenance: dict | None = None, per_rank: list | None = None,
                 message: str | None = None, baseline: str = "device", row_precision: str = "fp32",
                 **metric_overrides: Any) -> Record:
-    """A record whose step times (seconds) are ``step_times`` split into ``repeats`` repeats."""
+    """A record whose step times (seconds) are ``step_times`` split into ``repeats`` repeats (in
+    order), its speed figures made as the runner makes them."""
     cell = Cell(strategy, params or {}, world_size, row_precision)
     metrics = None
     if status == "ok":
         step_times = step_times or [0.01] * 12
-        per = len(step_times) // repeats
-        per_repeat = [per * BATCH / sum(step_times[i * per:(i + 1) * per]) for i in range(repeats)]
+        step_time, throughput = speed_figures(step_times, len(step_times) // repeats, BATCH)
         memory = {"static_device_bytes": device_bytes, "static_host_bytes": host_bytes, "pinned_bytes": 0,
                   "peak_rss_bytes": 1 << 30, "peak_allocated_bytes": peak_bytes, "peak_reserved_bytes": peak_bytes}
         metrics = {
             "device": "cuda:0", "world_size": world_size, "samples_per_step": BATCH, "measured_steps": len(step_times),
-            "warmup_steps": 3, "build_seconds": 0.1, "step_time_s": summarize(step_times),
-            "throughput": {"unit": "samples/s (global)", "per_repeat": per_repeat,
-                           "mean": sum(per_repeat) / len(per_repeat), "ci95": confidence_interval(per_repeat)},
+            "warmup_steps": 3, "build_seconds": 0.1, "step_time_s": step_time, "throughput": throughput,
             "generator_samples_per_s": 1e6,
             "memory": {**memory, "sum": {k: None if v is None else v * world_size for k, v in memory.items()}},
             "accuracy": {"train_loss_last10": 0.5, **({"auc": auc, "logloss": 0.5} if auc is not None else {})},

@@ -1,9 +1,10 @@
-"""compare: deltas, the significance test, the regression gate, what makes runs incomparable,
-bad input; and the t-based confidence interval the records carry."""
+"""compare: deltas, the test over repeats, the regression gate and when it cannot judge, A/A
+runs, what makes runs incomparable, bad input; and the interval over repeats the records carry."""
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from importlib import metadata
 
@@ -14,11 +15,12 @@ from hypothesis import strategies as st
 from record_factory import PROVENANCE, make_record, write_run
 
 from embbench.cli import main
+from embbench.columns import flat_row, speed
 from embbench.compare import (
-    TEST, compare_records, load_runs, parse_percent, regressions, step_time_test, what_differs,
+    CANNOT_JUDGE, TEST, cannot_judge, compare_records, load_runs, parse_percent, regressions, repeat_test, what_differs,
 )
-from embbench.metrics import confidence_interval
-from embbench.results import provenance
+from embbench.results import Record, provenance
+from embbench.stats import log_t_interval
 
 
 def _steps(seconds: float, n: int = 30, spread: float = 0.05, seed: int = 0) -> list[float]:
@@ -27,51 +29,104 @@ def _steps(seconds: float, n: int = 30, spread: float = 0.05, seed: int = 0) -> 
     return (seconds * rng.lognormal(0.0, spread, n)).tolist()
 
 
-# -- the confidence interval ------------------------------------------------------------------
+# -- intervals over repeats ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n, t975", [(2, 12.7062), (3, 4.3027), (11, 2.2281), (31, 2.0423), (101, 1.9840), (1001, 1.9623)])
-def test_confidence_interval_uses_student_t_at_n_minus_1_degrees_of_freedom(n, t975):
-    values = [float(i % 7) for i in range(n - 1)] + [3.5]
-    low, high = confidence_interval(values)
-    half = (high - low) / 2
-    assert (low + high) / 2 == pytest.approx(statistics.fmean(values))
-    assert half / (statistics.stdev(values) / n ** 0.5) == pytest.approx(t975, abs=1e-4)
-
-
-def test_confidence_interval_needs_two_values():
-    assert confidence_interval([1.0]) is None
+def _repeats(medians_ms: list[float], steps: int = 10, jitter: float = 0.002, seed: int = 0) -> list[float]:
+    """Step times (seconds) of repeats whose medians are ``medians_ms``: each repeat's steps tightly
+    around its median, as a run whose steps agree with each other while its repeats do not."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for m in medians_ms:
+        out += [float(v) for v in m / 1e3 * rng.lognormal(0.0, jitter, steps)]
+    return out
 
 
-# -- significance -----------------------------------------------------------------------------
-
-def test_a_clear_shift_in_step_times_is_significant():
-    sig = step_time_test(_steps(0.010, seed=1), _steps(0.011, seed=2))
-    assert sig.significant and sig.p_value < 0.001 and sig.test == TEST and (sig.n_before, sig.n_after) == (30, 30)
-
-
-def test_the_same_distribution_is_not_significant():
-    samples = _steps(0.010, seed=3)
-    sig = step_time_test(samples, list(reversed(samples)))
-    assert not sig.significant and sig.p_value == pytest.approx(1.0)
+@pytest.mark.parametrize("n, t975", [(2, 12.7062), (3, 4.3027), (11, 2.2281), (31, 2.0423), (101, 1.9840)])
+def test_the_interval_is_student_t_on_the_log_scale_at_n_minus_1_degrees_of_freedom(n, t975):
+    values = [1.0 + (i % 7) for i in range(n - 1)] + [3.5]
+    low, high = log_t_interval(values)
+    logs = [math.log(v) for v in values]
+    assert math.log(low * high) / 2 == pytest.approx(statistics.fmean(logs))
+    half = math.log(high / low) / 2
+    assert half / (statistics.stdev(logs) / n ** 0.5) == pytest.approx(t975, abs=1e-4)
 
 
-def test_too_few_samples_give_no_verdict():
-    sig = step_time_test([0.01], [0.02, 0.03])
-    assert sig.p_value is None and sig.significant is None
+def test_the_interval_needs_two_values():
+    assert log_t_interval([1.0]) is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(1e-4, 10.0), min_size=2, max_size=12))
+def test_a_throughput_interval_never_leaves_the_positive_axis(medians):
+    """The case that once printed 14,099 ±17,218 samples/s: however spread, the interval is positive."""
+    record = make_record(step_times=medians, repeats=len(medians))
+    low, high = record.metrics["throughput"]["ci95"]
+    assert 0 < low <= high
+    assert record.metrics["throughput"]["median"] == pytest.approx(512 / statistics.median(medians))
+
+
+def test_throughput_and_step_time_are_one_statistic():
+    """samples/s is the global batch over the step time shown beside it, never a mean of other numbers."""
+    steps = _repeats([10.0, 30.0, 11.0], steps=5)
+    row = flat_row(make_record(step_times=steps, repeats=3))
+    assert row["throughput"] == pytest.approx(512 / row["step_time_median_s"])
+    assert row["step_time_median_s"] == pytest.approx(statistics.median(row["step_time_repeat_medians"]))
+
+
+def test_records_written_before_repeats_were_the_unit_are_read_by_the_same_rule():
+    """An old record holds the mean of per-repeat throughputs and a t interval that can be negative:
+    its speed is recomputed from its steps, in the order they ran."""
+    new = make_record(step_times=_repeats([10.0, 12.0, 11.0]), repeats=3)
+    old = json.loads(new.model_dump_json())
+    step, rate = old["metrics"]["step_time_s"], old["metrics"]["throughput"]
+    for key in ("repeat_medians", "median_of_repeats", "ci95"):
+        del step[key]
+    del rate["median"], rate["statistic"]
+    rate.update(mean=999.0, ci95=[-100.0, 2000.0])
+    assert speed(Record(**old).metrics) == speed(new.metrics)
+
+
+# -- the test over repeats ------------------------------------------------------------------------
+
+def test_a_clear_shift_in_repeat_medians_is_significant():
+    sig = repeat_test(make_record(step_times=_repeats([10.0, 10.2, 9.9, 10.1, 10.0]), repeats=5).metrics,
+                      make_record(step_times=_repeats([11.0, 11.2, 10.9, 11.1, 11.0], seed=1), repeats=5).metrics)
+    assert sig.significant and sig.p_value < 0.001 and sig.test == TEST and (sig.n_before, sig.n_after) == (5, 5)
+    assert sig.ratio == pytest.approx(10.0 / 11.0, rel=0.01) and sig.interval[1] < 1
+
+
+def test_steps_are_not_samples_a_run_whose_steps_agree_but_repeats_do_not_is_not_significant():
+    """The A/A failure of issue 32: steps of each repeat agree to 0.2 %, repeats differ by 20 %; a
+    test over steps calls the second run 5 % faster 'significant', the test over repeats does not."""
+    a = make_record(step_times=_repeats([10.0, 12.0, 9.5], seed=1), repeats=3)
+    b = make_record(step_times=_repeats([9.6, 11.5, 9.0], seed=2), repeats=3)
+    (cell,) = compare_records([a], [b])
+    assert not cell.significance.significant
+    lo, hi = cell.significance.interval
+    assert lo < 1 < hi
+    from scipy.stats import mannwhitneyu  # what a test over steps would have said
+
+    assert mannwhitneyu(a.metrics["step_time_s"]["samples"], b.metrics["step_time_s"]["samples"]).pvalue < 0.05
+
+
+def test_one_repeat_gives_no_verdict():
+    sig = repeat_test(make_record(step_times=[0.01] * 3, repeats=1).metrics,
+                      make_record(step_times=[0.02] * 6, repeats=2).metrics)
+    assert sig.p_value is None and sig.significant is None and sig.interval is None
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.floats(0.001, 1.0), min_size=2, max_size=20), st.floats(1.5, 10.0))
-def test_a_uniform_slowdown_never_reads_as_a_speedup(samples, factor):
-    """Every step slower by the same factor: throughput drops and step time rises; where the
-    slowdown separates the two samples entirely, the rank test calls it significant."""
-    before = make_record(step_times=samples * 3, repeats=3)
-    after = make_record(step_times=[s * factor for s in samples * 3], repeats=3)
+@given(st.lists(st.floats(0.001, 1.0), min_size=2, max_size=8), st.floats(1.5, 10.0))
+def test_a_uniform_slowdown_never_reads_as_a_speedup(medians, factor):
+    """Every step slower by the same factor: throughput drops and step time rises by exactly
+    that factor, and the ratio's interval is that factor, whatever the spread."""
+    before = make_record(step_times=medians, repeats=len(medians))
+    after = make_record(step_times=[s * factor for s in medians], repeats=len(medians))
     (cell,) = compare_records([before], [after])
     assert cell.deltas["throughput"].direction == "worse" and cell.deltas["throughput"].relative < 0
     assert cell.deltas["step_time"].direction == "worse" and cell.deltas["step_time"].relative == pytest.approx(factor - 1)
-    if max(samples) < factor * min(samples):  # every step of B slower than every step of A: n = 6+ each
-        assert cell.significance.significant
+    assert cell.significance.ratio == pytest.approx(1 / factor)
+    assert cell.significance.interval[0] <= 1 / factor * (1 + 1e-9) and cell.significance.interval[1] >= 1 / factor * (1 - 1e-9)
 
 
 # -- deltas and comparability -------------------------------------------------------------------
@@ -144,19 +199,36 @@ def test_a_record_names_the_package_that_installs_its_strategy(plugin_path):
 
 # -- the regression gate ------------------------------------------------------------------------
 
-def test_a_significant_drop_beyond_the_threshold_fails_the_gate():
-    cells = compare_records([make_record(step_times=_steps(0.010, seed=1))], [make_record(step_times=_steps(0.0115, seed=2))])
+_STEADY = [10.0, 10.1, 9.9, 10.05, 9.95]
+
+
+def test_a_drop_whose_whole_interval_lies_beyond_the_threshold_fails_the_gate():
+    slower = [m * 1.15 for m in _STEADY]
+    cells = compare_records([make_record(step_times=_repeats(_STEADY), repeats=5)],
+                            [make_record(step_times=_repeats(slower, seed=2), repeats=5)])
     (why,) = regressions(cells, 0.05)
-    assert why.startswith("device@w1: throughput -1") and "beyond -5%" in why
-    assert regressions(cells, 0.20) == []  # a 13% drop is within a 20% threshold
+    assert why.startswith("device@w1: throughput -13.") and "beyond -5%" in why and "95% interval" in why
+    assert regressions(cells, 0.20) == [] and cannot_judge(cells, 0.20) == []  # a 13% drop is within 20%: a pass
 
 
-def test_a_drop_within_the_noise_passes_the_gate():
-    # Three steps each, wildly spread: the mean drops by more than 5%, the rank test sees noise.
-    cells = compare_records([make_record(step_times=[0.010, 0.020, 0.030], repeats=1)],
-                            [make_record(step_times=[0.012, 0.021, 0.033], repeats=1)])
-    assert cells[0].deltas["throughput"].relative < -0.05 and not cells[0].significance.significant
+def test_a_drop_inside_the_noise_cannot_be_judged():
+    """Repeats spread ±20 %: a 6 % drop is neither a regression nor a pass at 5 %: the gate says
+    it cannot judge, with the noise."""
+    noisy = [10.0, 13.0, 8.0, 12.0, 9.0]
+    cells = compare_records([make_record(step_times=_repeats(noisy), repeats=5)],
+                            [make_record(step_times=_repeats([m * 1.06 for m in noisy], seed=3), repeats=5)])
     assert regressions(cells, 0.05) == []
+    (why,) = cannot_judge(cells, 0.05)
+    assert why.startswith("device@w1: cannot judge at 5%: noise ±") and float(why.split("±")[1].rstrip("%")) > 5
+
+
+def test_a_busy_machine_cannot_be_judged_even_when_the_interval_is_beyond():
+    busy = {"others_cpu_share": 0.6, "steal_share": 0.0, "cores": 2}
+    cells = compare_records([make_record(step_times=_repeats(_STEADY), repeats=5)],
+                            [make_record(step_times=_repeats([m * 2 for m in _STEADY]), repeats=5, noise=busy)])
+    assert regressions(cells, 0.05) == []
+    (why,) = cannot_judge(cells, 0.05)
+    assert "busy: other processes took 60% of the 2 cores" in why
 
 
 def test_a_cell_that_ran_and_now_fails_fails_the_gate_and_an_unsupported_one_does_not():
@@ -181,10 +253,13 @@ def test_parse_percent_rejects_what_is_not_a_percentage(text):
 @pytest.fixture
 def runs(tmp_path):
     """A baseline, a run 13% slower in device@w1 (significant), and a run on other hardware."""
-    base = write_run(tmp_path / "base", [make_record("device", step_times=_steps(0.010, seed=1)),
-                                          make_record("cpu", step_times=_steps(0.020, seed=3))])
-    slower = write_run(tmp_path / "slower", [make_record("device", step_times=_steps(0.0115, seed=2)),
-                                             make_record("cpu", step_times=_steps(0.020, seed=4))])
+    base = write_run(tmp_path / "base", [make_record("device", step_times=_repeats(_STEADY, seed=1), repeats=5),
+                                          make_record("cpu", step_times=_repeats([2 * m for m in _STEADY], seed=3), repeats=5)])
+    change = json.loads(json.dumps(PROVENANCE))
+    change["git"]["commit"] = "1" * 40  # the code changed (the same code twice is an A/A pair)
+    slower = write_run(tmp_path / "slower", [
+        make_record("device", step_times=_repeats([1.15 * m for m in _STEADY], seed=2), repeats=5, provenance=change),
+        make_record("cpu", step_times=_repeats([2 * m for m in _STEADY], seed=4), repeats=5, provenance=change)])
     other = json.loads(json.dumps(PROVENANCE))
     other["devices"]["gpus"] = [{"name": "NVIDIA H200"}]
     elsewhere = write_run(tmp_path / "elsewhere", [make_record("device", provenance=other)])
@@ -195,8 +270,8 @@ def test_compare_prints_deltas_names_the_test_and_exits_0_without_a_gate(runs, c
     base, slower, _ = runs
     assert main(["compare", str(base), str(slower)]) == 0
     out = capsys.readouterr().out
-    assert "device@w1" in out and "cpu@w1" in out and "Mann-Whitney U" in out
-    assert "-1" in out and "yes p=" in out
+    assert "device@w1" in out and "cpu@w1" in out and "Welch's t" in out
+    assert "-1" in out and "yes p=" in out and "A/A" not in out
 
 
 def test_compare_fail_on_exits_1_on_a_significant_drop_and_0_within_the_threshold(runs, capsys):
@@ -204,11 +279,34 @@ def test_compare_fail_on_exits_1_on_a_significant_drop_and_0_within_the_threshol
     assert main(["compare", str(base), str(slower), "--fail-on", "5%"]) == 1
     assert "regression beyond 5%" in capsys.readouterr().out
     assert main(["compare", str(base), str(slower), "--fail-on", "20%"]) == 0
-    assert main(["compare", str(base / "device@w1.json"), str(base), "--fail-on", "1%"]) == 0
+    assert main(["compare", str(base / "device@w1.json"), str(base), "--fail-on", "5%"]) == 0
+    assert main(["compare", str(base / "device@w1.json"), str(base), "--fail-on", "1%"]) == CANNOT_JUDGE  # noise ±1.x%
     capsys.readouterr()
     # a cell of the baseline that the candidate lacks fails the gate (issue 28)
     assert main(["compare", str(base), str(base / "device@w1.json"), "--fail-on", "1%"]) == 1
     assert "cpu@w1: missing from the candidate run" in capsys.readouterr().out
+
+
+def test_compare_fail_on_exits_3_when_it_cannot_judge_and_says_the_noise(tmp_path, capsys):
+    noisy = [10.0, 13.0, 8.0, 12.0, 9.0]
+    a = write_run(tmp_path / "a", [make_record("device", step_times=_repeats(noisy), repeats=5)])
+    b = write_run(tmp_path / "b", [make_record("device", step_times=_repeats(noisy[::-1], seed=5), repeats=5)])
+    assert main(["compare", str(a), str(b), "--fail-on", "5%"]) == CANNOT_JUDGE == 3
+    out = capsys.readouterr().out
+    assert "cannot judge at 5% (exit 3):" in out and "device@w1: cannot judge at 5%: noise ±" in out
+    assert main(["compare", str(a), str(b), "--fail-on", "40%"]) == 0
+
+
+def test_an_aa_pair_reports_the_noise_floor_a_decision_must_beat(tmp_path, capsys):
+    """The same scenario and commit twice: compare says so, with the largest change between them."""
+    a = write_run(tmp_path / "a", [make_record("device", step_times=_repeats(_STEADY), repeats=5)])
+    b = write_run(tmp_path / "b", [make_record("device", step_times=_repeats([m * 1.02 for m in _STEADY]), repeats=5)])
+    assert main(["compare", str(a), str(b), "--fail-on", "10%"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "A/A: the same scenario and commit twice" in out and "changed by up to 2.0%" in out
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    floor = json.loads(capsys.readouterr().out)["runs"][0]["aa_noise_floor"]
+    assert floor["largest_change"] == pytest.approx(1 - 1 / 1.02, abs=1e-3) and floor["largest_interval_reach"] > 0
 
 
 def test_compare_json(runs, capsys):

@@ -16,7 +16,7 @@ from record_factory import make_record, write_run
 
 from conftest import tiny_scenario
 from embbench.cli import main
-from embbench.metrics import confidence_interval
+from embbench.stats import log_t_interval
 from embbench.optional import MissingDependency, require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +28,10 @@ def test_require_names_the_feature_the_package_and_how_to_install_it():
         require("nosuchpkg_x.sub", "the frobnication")
 
 
-def test_the_confidence_interval_without_scipy_is_a_missing_dependency(monkeypatch):
+def test_the_interval_without_scipy_is_a_missing_dependency(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.stats", None)  # as if not installed
-    with pytest.raises(MissingDependency, match="confidence interval of the throughput needs scipy"):
-        confidence_interval([1.0, 2.0, 3.0])
+    with pytest.raises(MissingDependency, match="intervals over repeats .Student's t. needs scipy"):
+        log_t_interval([1.0, 2.0, 3.0])
 
 
 @pytest.mark.parametrize("command, module", [(["compare"], "scipy.stats"), (["recommend", "--device-memory", "1GiB"], "scipy.stats"),
@@ -72,7 +72,7 @@ def test_run_without_scipy_and_matplotlib_measures_and_says_what_is_missing(tmp_
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "warning: the confidence interval of the throughput needs scipy" in " ".join(proc.stdout.split())
-    assert "(no CI: no scipy)" in proc.stdout
+    assert "(no interval: no scipy)" in proc.stdout
     record = json.loads((out / "device@w1.json").read_text())
     assert record["status"] == "ok"
     throughput = record["metrics"]["throughput"]

@@ -170,7 +170,7 @@ def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys,
         elif rejected:
             assert code == 1 and _words(f"{cell_id}: its record is damaged ({rejected})") in _words(out)
         else:
-            assert code in (0, 1) and "Traceback" not in err
+            assert code in (0, 1, 3) and "Traceback" not in err  # 3: the real records' noise is wider than 5%
             assert code == 0 or f"{cell_id}: " in out
 
 

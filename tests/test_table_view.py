@@ -32,7 +32,7 @@ def _seed_like() -> list:
     """Cells as seed_systems.yaml has them: long ids, caches with bounds, traffic, bookkeeping,
     a reordering strategy: every column of the table filled by some cell."""
     per_step = {"bytes_h2d": 3 * MiB, "bytes_d2h": MiB, "bytes_comm": 2 * MiB, "host_syncs": 10, "host_plan_us": 798}
-    busy = dict(ops_per_step=220, host_syncs_per_step=18.5, max_weight_diff_vs_baseline=2.4e-7)
+    busy = dict(ops_per_step=220, host_syncs_per_step=18.5, max_weight_diff_vs_baseline=2.4e-7, cpu_seconds_per_step=0.011)
     sfctr = make_record("sfctr", {"hot_fraction": 0.01, "refresh_every": 100}, step_times=[0.007] * 12, **busy)
     return [
         make_record("device", step_times=[0.006] * 12, ops_per_step=139, host_syncs_per_step=1.5,

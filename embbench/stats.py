@@ -1,0 +1,125 @@
+"""Statistics over repeats: the unit in which embbench states and compares speed.
+
+A *repeat* is one timed window of ``run.steps`` consecutive steps after the warm-up; its median
+step time is one sample. Consecutive steps are not independent (a slow phase of the machine spans
+several), so they are never treated as samples of their own.
+
+- A cell's step time is the median of its repeat medians; its throughput is the global batch over
+  that same step time (one statistic, two units).
+- Its interval is Student's t on the log of the repeat medians, ``exp(mean ± t·s/√n)``: step times
+  are positive and their spread multiplicative, and an interval on the log scale can never leave
+  the positive axis (a throughput interval of ``-2,858`` samples/s cannot happen).
+- Two cells are compared by Welch's t on the log repeat medians: the ratio of their step times
+  with its interval, and a p-value.
+
+Everything here is a pure function of numbers (seconds), so the tests feed it recorded values.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+__all__ = ["LEVEL", "RatioTest", "RepeatSummary", "log_t_interval", "ratio_test", "repeat_medians", "summarize_repeats"]
+
+#: The confidence level of every interval embbench prints.
+LEVEL = 0.95
+
+
+def _t_quantile(level: float, df: float) -> float:
+    from embbench.optional import require
+
+    t = require("scipy.stats", "the intervals over repeats (Student's t)").t
+    return float(t.ppf((1 + level) / 2, df))
+
+
+def repeat_medians(step_seconds: list[float], steps_per_repeat: int) -> list[float]:
+    """The median step time of each repeat, from the measured steps in the order they ran."""
+    if steps_per_repeat < 1 or not step_seconds or len(step_seconds) % steps_per_repeat:
+        raise ValueError(f"{len(step_seconds)} step times do not make whole repeats of {steps_per_repeat} steps")
+    return [statistics.median(step_seconds[i:i + steps_per_repeat])
+            for i in range(0, len(step_seconds), steps_per_repeat)]
+
+
+def log_t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float] | None:
+    """The interval of the centre of positive ``values`` (t on the log scale), or None for fewer
+    than two values.
+
+    Raises:
+        MissingDependency: scipy is not installed.
+    """
+    if len(values) < 2:
+        return None
+    logs = [math.log(v) for v in values]
+    half = _t_quantile(level, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    centre = statistics.fmean(logs)
+    return math.exp(centre - half), math.exp(centre + half)
+
+
+@dataclass(frozen=True)
+class RepeatSummary:
+    """A cell's speed over its repeats."""
+
+    repeat_medians_s: list[float]
+    #: median of the repeat medians: the cell's step time
+    step_s: float
+    #: the step time's interval (None: one repeat)
+    step_interval_s: tuple[float, float] | None
+
+    @property
+    def noise(self) -> float | None:
+        """The interval's half-width relative to the step time (the larger side): ``0.05`` is ±5 %."""
+        if self.step_interval_s is None:
+            return None
+        low, high = self.step_interval_s
+        return max(high / self.step_s - 1, 1 - low / self.step_s)
+
+    def throughput(self, samples_per_step: int) -> tuple[float, tuple[float, float] | None]:
+        """Samples per second and its interval, from the same statistic as :attr:`step_s`."""
+        interval = None
+        if self.step_interval_s is not None:
+            interval = (samples_per_step / self.step_interval_s[1], samples_per_step / self.step_interval_s[0])
+        return samples_per_step / self.step_s, interval
+
+
+def summarize_repeats(medians: list[float], level: float = LEVEL) -> RepeatSummary:
+    """:class:`RepeatSummary` of a cell's repeat medians (seconds)."""
+    return RepeatSummary(list(medians), statistics.median(medians), log_t_interval(medians, level))
+
+
+@dataclass(frozen=True)
+class RatioTest:
+    """``after`` against ``before``: the ratio of their throughputs (``> 1``: after is faster)."""
+
+    #: throughput after / before, from the medians of the repeat medians
+    ratio: float
+    #: its interval (Welch's t on the log repeat medians); None: a side has one repeat
+    interval: tuple[float, float] | None
+    p_value: float | None
+    n_before: int
+    n_after: int
+
+
+def ratio_test(before: list[float], after: list[float], level: float = LEVEL) -> RatioTest:
+    """Welch's t test of two cells' repeat medians (step seconds) on the log scale.
+
+    Raises:
+        MissingDependency: scipy is not installed.
+    """
+    ratio = statistics.median(before) / statistics.median(after)
+    if len(before) < 2 or len(after) < 2:
+        return RatioTest(ratio, None, None, len(before), len(after))
+    from embbench.optional import require
+
+    t = require("scipy.stats", "the comparison of repeats (Welch's t)").t
+    a, b = [math.log(v) for v in before], [math.log(v) for v in after]
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.fmean(a) - statistics.fmean(b)  # log(throughput after / before)
+    se = math.sqrt(va + vb)
+    if se == 0:  # identical repeats on both sides: no spread to test against
+        return RatioTest(ratio, (math.exp(diff), math.exp(diff)), 0.0 if diff else 1.0, len(a), len(b))
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch-Satterthwaite
+    half = float(t.ppf((1 + level) / 2, df)) * se
+    p = float(2 * t.sf(abs(diff) / se, df))
+    return RatioTest(ratio, (math.exp(diff - half), math.exp(diff + half)), p, len(a), len(b))
