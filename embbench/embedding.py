@@ -107,11 +107,9 @@ class RowStore:
             torch.arange(offsets.numel() - 1, device=rows.device), offsets.diff(), output_size=rows.numel()
         )
         unique, summed = aggregate_rows(rows, grad_pooled[bag_of_id])
-        if keys is None:
-            self.update_rows(unique, summed, unique)
-        else:  # the key of each unique row: any of its ids' (a slot holds one row)
-            unique_keys = torch.empty_like(unique).scatter_(0, torch.searchsorted(unique, rows), keys.to(unique.dtype))
-            self.update_rows(unique, summed, unique_keys)
+        if keys is not None:  # the key of each unique row: any of its ids' (a slot holds one row)
+            keys = torch.empty_like(unique).scatter_(0, torch.searchsorted(unique, rows), keys.to(unique.dtype))
+        self.update_rows(unique, summed, unique if keys is None else keys)
 
     def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor) -> None:
         """The optimizer step of unique ``rows`` with their summed gradients."""
@@ -123,10 +121,11 @@ class RoundedRowStore(RowStore):
     to pool and to update (the optimizer state is float32), written back stochastically rounded.
 
     Args:
-        weights: ``[R, D]`` stored rows (``row_type.dtype``).
-        extras: ``[R, row_type.extras(state_width)]`` float32: the row's scale (fp8), then its
+        weights: ``[R, D]`` stored rows (``kind.carrier`` elements).
+        extras: ``[R, kind.extras(state_width)]`` float32: the row's scale (fp8), then its
             optimizer state.
-        seed: the rounding stream's seed; the n-th update of a row draws from (seed, n, key).
+        seed: the rounding stream's seed; the store's n-th update draws from (seed, n, the
+            row's key, column), the key being the row's global index.
     """
 
     def __init__(self, weights: Tensor, extras: Tensor, optimizer: EmbeddingOptimizer, kind: RowType, seed: int):

@@ -160,7 +160,9 @@ def _mix(x: Tensor) -> Tensor:
 def uniform_keyed(seed: int, update: int, rows: Tensor, columns: int) -> Tensor:
     """``[len(rows), columns]`` float32 draws in [0, 1), each a function of (seed, update, row,
     column) only: the same for a row wherever it is stored and in whatever order rows come."""
-    key = _mix(torch.tensor(((seed & _MASK_32) << 32) | (update & _MASK_32), dtype=torch.long, device=rows.device))
+    # the (seed, update) key as a Python int, mixed on the CPU: no copy to the device
+    packed = ((seed & _MASK_32) << 32) | (update & _MASK_32)
+    key = int(_mix(torch.tensor(packed - (1 << 64) if packed >= 1 << 63 else packed, dtype=torch.long)))
     per_row = _mix(rows.long() * 0x9E3779B1 + key)
     bits = _mix(per_row.unsqueeze(1) + torch.arange(columns, device=rows.device))
     return ((bits >> 40) & ((1 << 24) - 1)).float() * (1.0 / (1 << 24))

@@ -111,6 +111,7 @@ def test_rounding_repeats_for_a_seed_and_changes_with_it():
     assert torch.equal(uniform_keyed(7, 3, rows, 4)[[1, 0, 2]], uniform_keyed(7, 3, rows[[1, 0, 2]], 4))
     assert not torch.equal(uniform_keyed(7, 3, rows, 4), uniform_keyed(8, 3, rows, 4))
     assert not torch.equal(uniform_keyed(7, 3, rows, 4), uniform_keyed(7, 4, rows, 4))
+    assert not torch.equal(uniform_keyed(2**40 + 7, 2**33, rows, 4), uniform_keyed(-7, 3, rows, 4))  # any int seed
     draws = uniform_keyed(0, 0, torch.arange(20000), 8)
     assert 0 <= float(draws.min()) and float(draws.max()) < 1 and abs(float(draws.mean()) - 0.5) < 0.01
 
