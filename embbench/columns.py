@@ -89,11 +89,11 @@ def flat_row(record: Record) -> dict[str, Any]:
         "cell_id": record.cell_id,
         "strategy": record.strategy,
         "world_size": record.world_size,
-        "row_precision": record.row_precision,
         "status": record.status,
         "message": record.message,
         "semantics": record.semantics,
         **{f"param.{k}": v for k, v in sorted(record.params.items())},
+        "row_precision": record.row_precision,
     }
     m = record.metrics
     if m:

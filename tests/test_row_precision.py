@@ -8,6 +8,7 @@ import torch
 from hypothesis import assume, given, seed, settings, strategies as st
 
 from embbench.cache import FreqCache, FreqCacheParams
+from embbench.columns import flat_row
 from embbench.data import Batch, SparseFeatures, TableSpec
 from embbench.data.weights import initial_weights
 from embbench.embedding import RoundedRowStore, pooled_lookup
@@ -157,6 +158,8 @@ def test_records_carry_the_precision_bytes_and_distance_from_fp32_and_refuse_wha
     assert "weight_diff_vs_fp32" not in fp32.metrics
     distance = fp16.metrics["weight_diff_vs_fp32"]
     assert 0 < distance["mean"] <= distance["max"] and distance["rows_trained"] > 0
+    row = flat_row(fp16)  # show --csv / --json
+    assert (row["row_precision"], row["row_bytes"], row["max_weight_diff_vs_fp32"]) == ("fp16", 20, distance["max"])
     refused = records["fae[hot_bytes=4096]@w1@fp16"]
     assert refused.status == "unsupported" and refused.metrics is None
     assert refused.message == "row_precision fp16: fae stores rows in fp32 only"
