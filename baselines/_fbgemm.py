@@ -16,7 +16,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (CacheAlgorithm, ComputeDevice, EmbeddingLocation,
                                                                   PoolingMode)
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -27,7 +27,7 @@ __all__ = [
     "CacheAlgorithm", "ComputeDevice", "EmbOptimType", "EmbeddingLocation", "PoolingMode", "SparseType",
     "SplitTableBatchedEmbeddingBagsCodegen",
     # torchrec
-    "CacheParams", "DistributedModelParallel", "EmbeddingBagCollection", "EmbeddingBagCollectionSharder",
+    "CacheParams", "DataType", "DistributedModelParallel", "EmbeddingBagCollection", "EmbeddingBagCollectionSharder",
     "EmbeddingBagConfig", "EmbeddingShardingPlanner", "ParameterConstraints", "PoolingType", "ShardingEnv",
     "Topology",
 ]

@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from baselines.torchrec_tables import fused_optimizer
+from baselines.torchrec_tables import FbgemmRowPrecision, fused_optimizer, sparse_type
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
-from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
+from embbench.embedding import RowSpace, per_sample, pooled_lookup, stored_rows, whole_store
 from embbench.optim import EmbeddingOptimizer
+from embbench.row_precision import ROW_PRECISIONS
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy
 
@@ -32,9 +33,7 @@ class WholeTables(SparseModule):
         super().__init__()
         self.space = RowSpace(ctx.tables)
         self.compute = ctx.env.device
-        weights = torch.empty(self.space.num_rows, self.space.dim, device=self.compute)
-        self.space.fill_initial(weights, ctx.init_weights)
-        self.store = RowStore(weights, ctx.optimizer.new_state(self.space.num_rows, self.compute), ctx.optimizer)
+        self.store = whole_store(self.space, ctx, self.compute)
         self._accesses = 0
 
     def forward(self, features: SparseFeatures) -> Tensor:
@@ -46,10 +45,10 @@ class WholeTables(SparseModule):
         return {"accesses": self._accesses}
 
     def memory(self) -> MemoryFootprint:
-        return MemoryFootprint(device_bytes=self.store.weights.nbytes + self.store.state.nbytes)
+        return MemoryFootprint(device_bytes=self.store.nbytes)
 
     def flush(self) -> list[Tensor]:
-        return [t.cpu().clone() for t in self.space.split(self.store.weights)]
+        return [t.cpu().clone() for t in self.space.split(stored_rows(self.store))]
 
 
 class HostTables(SparseModule):
@@ -66,7 +65,7 @@ class HostTables(SparseModule):
         self.dim = ctx.tables[0].dim
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(t.num_rows, t.dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in ctx.tables],
-            pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
+            pooling_mode=PoolingMode.SUM, weights_precision=sparse_type(ctx.row_precision), output_dtype=SparseType.FP32,
             device=torch.device("cpu"), **fused_optimizer(ctx.optimizer),
         )
         tables = self.tbe.split_embedding_weights()
@@ -100,7 +99,7 @@ class HostTables(SparseModule):
         return MemoryFootprint(host_bytes=self.tbe.weights_host.nbytes + (state.nbytes if state is not None else 0))
 
     def flush(self) -> list[Tensor]:
-        return [w.detach().clone() for w in self.tbe.split_embedding_weights()]
+        return [w.detach().to(torch.float32, copy=True) for w in self.tbe.split_embedding_weights()]
 
 
 def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> int:
@@ -116,6 +115,7 @@ def _table_wise(ctx: BuildContext, build) -> SparseModule:
 class DeviceStrategy(Strategy):
     name = "device"
     summary = "every table in device memory (the reference for equivalence); table-wise over ranks"
+    row_precisions = ROW_PRECISIONS
 
     def estimate_memory(self, tables, optimizer, world_size):
         return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer, world_size))
@@ -124,9 +124,10 @@ class DeviceStrategy(Strategy):
         return _table_wise(ctx, WholeTables)
 
 
-class CpuStrategy(Strategy):
+class CpuStrategy(FbgemmRowPrecision, Strategy):
     name = "cpu"
     summary = "tables on the host: fbgemm's CPU kernel looks up and updates, pooled rows to the device; table-wise over ranks"
+    cpu_kernels_always = True
 
     def estimate_memory(self, tables, optimizer, world_size):
         return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer, world_size))

@@ -14,6 +14,7 @@ backward (``exact_sgd`` or ``exact_rowwise_adagrad``: the math of embbench.optim
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -26,7 +27,9 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer
-from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams)
+from embbench.row_precision import ROW_PRECISIONS
+from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams,
+                               Unsupported)
 
 #: fbgemm's cache associativity on CUDA: the cache holds whole sets of this many rows.
 FBGEMM_CACHE_ASSOC = 32
@@ -191,12 +194,73 @@ def fused_optimizer(optimizer: EmbeddingOptimizer) -> dict:
     return {"optimizer": kind, "learning_rate": optimizer.lr, "eps": optimizer.eps}
 
 
+#: fbgemm's SparseType (and torchrec's DataType) of each row precision; fbgemm's fp8 is NFP8
+#: (E4M3 without a per-row scale), its cache holds NFP8 rows as FP16 (torchrec sets that).
+FBGEMM_PRECISION = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16", "fp8": "NFP8"}
+
+
+def sparse_type(precision: str):
+    from baselines._fbgemm import SparseType
+
+    return getattr(SparseType, FBGEMM_PRECISION[precision])
+
+
+@functools.cache
+def fbgemm_cpu_refusal(precision: str) -> str | None:
+    """Why fbgemm's CPU kernels cannot train rows stored in ``precision``, found by training a
+    tiny table one step (fbgemm-gpu-cpu 1.8 has fp16 CPU kernels, but none for bf16 or NFP8),
+    or None. fbgemm's CPU update rounds to nearest (its ``stochastic_rounding`` is CUDA's)."""
+    if precision == "fp32":
+        return None
+    from importlib.metadata import version
+
+    from baselines._fbgemm import ComputeDevice, EmbeddingLocation, PoolingMode, SparseType, \
+        SplitTableBatchedEmbeddingBagsCodegen
+
+    try:
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(4, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], pooling_mode=PoolingMode.SUM,
+            weights_precision=sparse_type(precision), output_dtype=SparseType.FP32, device=torch.device("cpu"),
+            **fused_optimizer(EmbeddingOptimizer()))
+        tbe(torch.tensor([0, 1]), torch.tensor([0, 2])).sum().backward()
+    except Exception as e:  # NotImplementedError for the types it has no kernel for
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        package = next((f"{p} {version(p)}" for p in ("fbgemm-gpu-cpu", "fbgemm-gpu") if _installed(p)), "fbgemm")
+        return f"row_precision {precision}: {package}'s CPU kernels cannot train {FBGEMM_PRECISION[precision]} rows ({first})"
+    return None
+
+
+def _installed(package: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return bool(version(package))
+    except PackageNotFoundError:
+        return False
+
+
+class FbgemmRowPrecision:
+    """Strategy mixin: rows in every precision fbgemm stores (``weights_precision``), refused
+    where fbgemm's CPU kernels do the work and have no kernel for it."""
+
+    row_precisions = ROW_PRECISIONS
+    #: whether fbgemm's CPU kernels train the rows (always, or only without CUDA)
+    cpu_kernels_always = False
+
+    def row_precision_reason(self, precision: str, env: RuntimeEnv) -> str | None:
+        refused = super().row_precision_reason(precision, env)
+        if refused or (env.cuda and not self.cpu_kernels_always):
+            return refused
+        return fbgemm_cpu_refusal(precision)
+
+
 class TorchrecTables(SparseModule):
     """An EmbeddingBagCollection sharded by torchrec's DistributedModelParallel."""
 
     def __init__(self, ctx: BuildContext, kernel: str, sharding: str | None, cache_params=None):
         super().__init__()
-        from baselines._fbgemm import (DistributedModelParallel, EmbeddingBagCollection, EmbeddingBagCollectionSharder,
+        from baselines._fbgemm import (DataType, DistributedModelParallel, EmbeddingBagCollection,
+                                       EmbeddingBagCollectionSharder,
                                        EmbeddingBagConfig, EmbeddingShardingPlanner, ParameterConstraints, PoolingType,
                                        ShardingEnv, Topology)
 
@@ -205,7 +269,9 @@ class TorchrecTables(SparseModule):
         self.tables, self.keys = ctx.tables, [t.name for t in ctx.tables]
         ebc = EmbeddingBagCollection(
             tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows,
-                                       feature_names=[t.name], pooling=PoolingType.SUM) for t in ctx.tables],
+                                       feature_names=[t.name], pooling=PoolingType.SUM,
+                                       data_type=getattr(DataType, FBGEMM_PRECISION[ctx.row_precision]))
+                    for t in ctx.tables],
             device=torch.device("meta"),
         )
         sharder = EmbeddingBagCollectionSharder(fused_params=fused_optimizer(ctx.optimizer))
@@ -313,7 +379,7 @@ class TorchrecTables(SparseModule):
             full = torch.zeros(self.tables[i].num_rows, self.tables[i].dim)
             for shard in weight.local_shards():
                 (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                full[row : row + rows, col : col + cols] = shard.tensor.detach().cpu()
+                full[row : row + rows, col : col + cols] = shard.tensor.detach().cpu().float()
             if dist.get_world_size(self.group) > 1:
                 device = self.dmp.device
                 full_dev = full.to(device)
@@ -336,7 +402,7 @@ class GpuShardedParams(StrategyParams):
         "auto", description="torchrec sharding type, or the planner's choice")
 
 
-class GpuShardedStrategy(Strategy):
+class GpuShardedStrategy(FbgemmRowPrecision, Strategy):
     name = "gpu_sharded"
     summary = "torchrec DistributedModelParallel, fused kernel: tables sharded over the devices' memory"
     Params = GpuShardedParams
@@ -354,7 +420,7 @@ class GpuShardedStrategy(Strategy):
         return TorchrecTables(ctx, kernel="fused", sharding=sharding)
 
 
-class UvmStrategy(Strategy):
+class UvmStrategy(FbgemmRowPrecision, Strategy):
     name = "uvm"
     summary = "fbgemm unified memory (EmbeddingLocation.MANAGED, torchrec fused_uvm): tables on the host"
 
@@ -377,7 +443,7 @@ class UvmCacheParams(StrategyParams):
         "PrefetchTrainPipelineSparseDist does (LRU only); off until a GPU measures it faster"))
 
 
-class UvmCacheStrategy(Strategy):
+class UvmCacheStrategy(FbgemmRowPrecision, Strategy):
     name = "uvm_cache"
     summary = "fbgemm unified memory behind its set-associative LRU/LFU device cache (fused_uvm_caching)"
     Params = UvmCacheParams
@@ -398,8 +464,13 @@ class UvmCacheStrategy(Strategy):
 
         cache = CacheParams(algorithm={"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}[self.params.algorithm],
                             load_factor=self.params.cache_ratio, prefetch_pipeline=self.params.prefetch_pipeline)
-        return _UvmCacheTables(ctx, kernel="fused_uvm_caching", sharding="table_wise", cache_params=cache,
-                               prefetch_pipeline=self.params.prefetch_pipeline)
+        try:
+            return _UvmCacheTables(ctx, kernel="fused_uvm_caching", sharding="table_wise", cache_params=cache,
+                                   prefetch_pipeline=self.params.prefetch_pipeline)
+        except AssertionError as e:  # fbgemm 1.6-1.8's cache holds FP32, FP16 or NFP8 (as FP16) rows only
+            if "cache_precision" in str(e):
+                raise Unsupported(f"row_precision {ctx.row_precision}: fbgemm's cache refuses it ({e})") from e
+            raise
 
 
 class _UvmCacheTables(TorchrecTables):

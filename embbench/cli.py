@@ -542,6 +542,18 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision_pairs(runs):
+    """``--match-on strategy``: in each run, every cell whose rows are not fp32 against the same
+    strategy, parameters and world size in fp32."""
+    from embbench.compare import ALPHA, compare_precisions
+
+    pairs = [(run, compare_precisions(run.records, ALPHA)) for run in runs]
+    if not any(cells for _, cells in pairs):
+        raise ValueError(f"--match-on strategy: no cell with rows in fp16, bf16 or fp8 in {', '.join(r.label for r in runs)} "
+                         "(run.row_precision)")
+    return pairs
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from embbench.compare import (ALPHA, CANNOT_JUDGE, TEST, aa_noise_floor, cannot_judge, compare_runs, parse_percent,
                                   regressions, same_code_and_scenario, to_json)
@@ -549,7 +561,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
     runs = _load_runs(args.runs, need_records=False)  # a candidate whose records are all damaged fails the gate
-    pairs = compare_runs(runs, ALPHA)
+    pairs = compare_runs(runs, ALPHA) if args.match_on == "cell" else _precision_pairs(runs)
     failures, undecided = [], []
     for run, cells in pairs:
         found = regressions(cells, threshold, run) if threshold is not None else []
@@ -562,8 +574,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps(to_json(pairs, runs[0], ALPHA, threshold, failures, undecided), indent=2))
     else:
         for run, cells in pairs:
-            print_deltas(cells, runs[0].label, run.label, TEST, console, _view(args))
-            floor = aa_noise_floor(cells) if same_code_and_scenario(runs[0], run) else None
+            before = runs[0].label if args.match_on == "cell" else f"{run.label}: the same cell in fp32"
+            after = run.label if args.match_on == "cell" else f"{run.label}: rows in fp16, bf16 or fp8"
+            print_deltas(cells, before, after, TEST, console, _view(args))
+            floor = aa_noise_floor(cells) if args.match_on == "cell" and same_code_and_scenario(runs[0], run) else None
             if floor:
                 console.print(Text(f"A/A: the same scenario and commit twice. Noise floor on this machine: throughput "
                                    f"changed by up to {100 * floor[0]:.1f}% (intervals reach {100 * floor[1]:.1f}%); a "
@@ -809,6 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")
     comp.add_argument("--fail-on", metavar="PCT", help="exit 1 when a cell's throughput interval lies below -PCT (e.g. 5%%) "
                       "or a cell fails; exit 3 when a run's noise (or a busy machine) is wider than PCT: cannot judge")
+    comp.add_argument("--match-on", choices=("cell", "strategy"), default="cell",
+                      help="cell: each run against the first, cell by cell (default); strategy: in each run, every cell "
+                           "with rows in fp16/bf16/fp8 against the same strategy, parameters and ranks in fp32")
     comp_output = comp.add_mutually_exclusive_group()
     comp_output.add_argument("--json", action="store_true", help="print the comparison as JSON")
     _add_view_flags(comp, DELTA_COLUMNS, comp_output)

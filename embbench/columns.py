@@ -93,6 +93,7 @@ def flat_row(record: Record) -> dict[str, Any]:
         "message": record.message,
         "semantics": record.semantics,
         **{f"param.{k}": v for k, v in sorted(record.params.items())},
+        "row_precision": record.row_precision,
     }
     m = record.metrics
     if m:
@@ -136,6 +137,9 @@ def flat_row(record: Record) -> dict[str, Any]:
             "logloss": get(m, "accuracy", "logloss"),
             "train_loss_last10": get(m, "accuracy", "train_loss_last10"),
             "max_weight_diff_vs_baseline": m.get("max_weight_diff_vs_baseline"),
+            "row_bytes": m.get("row_bytes"),
+            "max_weight_diff_vs_fp32": get(m, "weight_diff_vs_fp32", "max"),
+            "mean_weight_diff_vs_fp32": get(m, "weight_diff_vs_fp32", "mean"),
             "build_seconds": m.get("build_seconds"),
             "generator_samples_per_s": m.get("generator_samples_per_s"),
             **{k: m[k] for k in ("ops_per_step", "host_syncs_per_step", "warmup_steps_run", "weights_not_compared",

@@ -26,8 +26,8 @@ from embbench.scenario import cell_slug
 
 __all__ = [
     "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
-    "aa_noise_floor", "cannot_judge", "compare_runs", "load_runs", "parse_percent", "regressions", "repeat_test",
-    "same_code_and_scenario", "to_json", "what_differs",
+    "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id", "load_runs", "parse_percent",
+    "regressions", "repeat_test", "same_code_and_scenario", "to_json", "what_differs",
 ]
 
 ALPHA = 0.05
@@ -354,3 +354,29 @@ def to_json(pairs: list[tuple[Run, list[CellComparison]]], baseline: Run, alpha:
             "cells": [{**asdict(c), "comparable": c.comparable} for c in cells],
         } for run, cells in pairs],
     }
+
+
+# --- across row precisions (``compare --match-on strategy``) ----------------------------------------
+
+
+def fp32_cell_id(record: Record) -> str:
+    """The id of the same strategy, parameters and world size with rows in fp32."""
+    from embbench.scenario import Cell
+
+    return Cell(record.strategy, record.params, record.world_size).id
+
+
+def compare_precisions(records: list[Record], alpha: float = ALPHA) -> list[CellComparison]:
+    """Each cell of one run whose rows are not fp32 (B) against the same strategy, parameters
+    and world size in fp32 (A), as :func:`compare_records` compares two runs' cells. Cells of
+    one run share the scenario digest (``run.row_precision`` is not part of it)."""
+    fp32 = {r.cell_id: r for r in records if r.row_precision == "fp32"}
+    out = []
+    for record in sorted((r for r in records if r.row_precision != "fp32"), key=lambda r: r.cell_id):
+        reference = fp32.get(fp32_cell_id(record))
+        if reference is None:
+            out.append(CellComparison(record.cell_id, None, record.status))
+            continue
+        # the fp32 record under this cell's id, so that the two are matched as one cell
+        out += compare_records([reference.model_copy(update={"cell_id": record.cell_id})], [record], alpha)
+    return out

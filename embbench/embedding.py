@@ -12,8 +12,9 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer, aggregate_rows
+from embbench.row_precision import RowType, row_type, uniform_keyed
 
-__all__ = ["RowSpace", "RowStore", "per_sample", "pooled_lookup"]
+__all__ = ["RoundedRowStore", "RowSpace", "RowStore", "per_sample", "pooled_lookup", "stored_rows", "whole_store"]
 
 
 class RowSpace:
@@ -38,7 +39,7 @@ class RowSpace:
         return features.values + self._starts_on[device][features.table_of_each_id()]
 
     def fill_initial(self, out: Tensor, init_weights, position=None, chunk: int = 1 << 18,
-                     workers: int | None = None) -> None:
+                     workers: int | None = None, kind: RowType | None = None, scales: Tensor | None = None) -> None:
         """Write every table's initial weights into ``out`` (``[num_rows, dim]``, any device),
         a chunk of rows at a time so that no second copy of the tables is ever held.
 
@@ -49,17 +50,23 @@ class RowSpace:
             init_weights: ``init_weights(t, start, stop)`` as in BuildContext.
             position: maps global rows (a CPU tensor) to rows of ``out``; identity if None.
             workers: threads (default: one per core).
+            kind, scales: ``out`` stores rows of this type (rounded to nearest), their scales
+                (fp8) go to ``scales`` (``[num_rows, 1]`` float32, aligned with ``out``).
         """
         jobs = [(int(self.starts[t]), t, lo, min(table.num_rows, lo + chunk))
                 for t, table in enumerate(self.tables) for lo in range(0, table.num_rows, chunk)]
 
         def fill(job: tuple[int, int, int, int]) -> None:
             start, t, lo, hi = job
-            block = init_weights(t, lo, hi).to(out.device)
-            if position is None:
-                out[start + lo : start + hi] = block
-            else:  # distinct rows per chunk: the chunks' writes never overlap
-                out[position(torch.arange(start + lo, start + hi)).to(out.device)] = block
+            block, scale = init_weights(t, lo, hi).to(out.device), None
+            if kind is not None:
+                block, scale = kind.encode(block, None)
+            # distinct rows per chunk: the chunks' writes never overlap
+            where = slice(start + lo, start + hi) if position is None else \
+                position(torch.arange(start + lo, start + hi)).to(out.device)
+            out[where] = block
+            if scale is not None:
+                scales[where] = scale
 
         fill_in_parallel(fill, jobs, workers)
 
@@ -77,43 +84,121 @@ class RowStore:
     def __init__(self, weights: Tensor, state: Tensor, optimizer: EmbeddingOptimizer):
         self.weights, self.state, self.optimizer = weights, state, optimizer
 
+    @property
+    def nbytes(self) -> int:
+        return self.weights.nbytes + self.state.nbytes
+
     def pool(self, rows: Tensor, offsets: Tensor) -> Tensor:
         return torch.nn.functional.embedding_bag(rows, self.weights, offsets, mode="sum", include_last_offset=True)
 
-    def apply_gradient(self, rows: Tensor, offsets: Tensor, grad_pooled: Tensor) -> None:
-        """Scatter each bag's gradient to its ids, sum per row, and update."""
+    def apply_gradient(self, rows: Tensor, offsets: Tensor, grad_pooled: Tensor, keys: Tensor | None = None) -> None:
+        """Scatter each bag's gradient to its ids, sum per row, and update. ``keys``: each id's
+        global row where ``rows`` are slots (a :class:`RoundedRowStore` keys its rounding by it)."""
         bag_of_id = torch.repeat_interleave(
             torch.arange(offsets.numel() - 1, device=rows.device), offsets.diff(), output_size=rows.numel()
         )
         unique, summed = aggregate_rows(rows, grad_pooled[bag_of_id])
-        self.optimizer.update(self.weights, self.state, unique, summed)
+        if keys is not None:  # the key of each unique row: any of its ids' (a slot holds one row)
+            keys = torch.empty_like(unique).scatter_(0, torch.searchsorted(unique, rows), keys.to(unique.dtype))
+        self.update_rows(unique, summed, unique if keys is None else keys)
+
+    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor) -> None:
+        """The optimizer step of unique ``rows`` with their summed gradients."""
+        self.optimizer.update(self.weights, self.state, rows, grad)
+
+
+class RoundedRowStore(RowStore):
+    """Rows stored in a low-precision :class:`~embbench.row_precision.RowType`: read as float32
+    to pool and to update (the optimizer state is float32), written back stochastically rounded.
+
+    Args:
+        weights: ``[R, D]`` stored rows (``kind.carrier`` elements).
+        extras: ``[R, kind.extras(state_width)]`` float32: the row's scale (fp8), then its
+            optimizer state.
+        seed: the rounding stream's seed; the store's n-th update draws from (seed, n, the
+            row's key, column), the key being the row's global index.
+    """
+
+    def __init__(self, weights: Tensor, extras: Tensor, optimizer: EmbeddingOptimizer, kind: RowType, seed: int):
+        super().__init__(weights, extras[:, int(kind.scaled):], optimizer)
+        self.extras, self.kind, self.seed = extras, kind, seed
+        self.updates = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.weights.nbytes + self.extras.nbytes
+
+    def rows32(self, rows: Tensor) -> Tensor:
+        """Rows ``rows`` as float32."""
+        return self.kind.decode(self.weights[rows], self.extras[rows, :1] if self.kind.scaled else None)
+
+    def pool(self, rows: Tensor, offsets: Tensor) -> Tensor:
+        ids = torch.arange(rows.numel(), device=rows.device)
+        return torch.nn.functional.embedding_bag(ids, self.rows32(rows), offsets, mode="sum", include_last_offset=True)
+
+    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor) -> None:
+        weights, state = self.rows32(rows), self.state[rows]
+        local = torch.arange(rows.numel(), device=rows.device)
+        self.optimizer.update(weights, state, local, grad)
+        uniform = uniform_keyed(self.seed, self.updates, keys, weights.shape[1])
+        self.updates += 1
+        stored, scale = self.kind.encode(weights, uniform)
+        self.weights[rows] = stored
+        self.state[rows] = state
+        if scale is not None:
+            self.extras[rows, :1] = scale
+
+
+def whole_store(space: RowSpace, ctx, device: torch.device) -> RowStore:
+    """Every row of ``space`` with its optimizer state on ``device``, stored in the build
+    context's row precision (a :class:`RoundedRowStore` unless fp32), from the initial weights."""
+    kind, n = row_type(ctx.row_precision), space.num_rows
+    if kind.exact:
+        weights = torch.empty(n, space.dim, device=device)
+        space.fill_initial(weights, ctx.init_weights)
+        return RowStore(weights, ctx.optimizer.new_state(n, device), ctx.optimizer)
+    weights = torch.empty(n, space.dim, dtype=kind.carrier, device=device)
+    extras = torch.zeros(n, kind.extras(ctx.optimizer.state_width), device=device)
+    space.fill_initial(weights, ctx.init_weights, kind=kind, scales=extras[:, :1])
+    return RoundedRowStore(weights, extras, ctx.optimizer, kind, ctx.seed)
+
+
+def stored_rows(store: RowStore) -> Tensor:
+    """A store's rows as float32 (on its device)."""
+    if isinstance(store, RoundedRowStore):
+        return store.rows32(slice(None))
+    return store.weights
 
 
 class _PooledLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor: Tensor, store: RowStore, rows: Tensor, offsets: Tensor, out_device: torch.device):
-        ctx.store = store
+    def forward(ctx, anchor: Tensor, store: RowStore, rows: Tensor, offsets: Tensor, out_device: torch.device,
+                keys: Tensor | None):
+        ctx.store, ctx.keys = store, keys
         ctx.save_for_backward(rows, offsets)
         return store.pool(rows, offsets).to(out_device, non_blocking=True)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         rows, offsets = ctx.saved_tensors
-        ctx.store.apply_gradient(rows, offsets, grad.to(rows.device))
-        return None, None, None, None, None
+        ctx.store.apply_gradient(rows, offsets, grad.to(rows.device), ctx.keys)
+        return None, None, None, None, None, None
 
 
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
-def pooled_lookup(store: RowStore, rows: Tensor, offsets: Tensor, out_device: torch.device) -> Tensor:
+def pooled_lookup(store: RowStore, rows: Tensor, offsets: Tensor, out_device: torch.device,
+                  keys: Tensor | None = None) -> Tensor:
     """Sum-pooled bags ``[num_bags, D]`` on ``out_device``; backward updates ``store``.
 
-    ``rows`` index ``store`` (global rows, or cache slots) and live on the store's device.
-    The weights get no ``.grad``: the optimizer step happens inside backward.
+    ``rows`` index ``store`` (global rows, or cache slots) and live on the store's device;
+    ``keys``: each id's global row when ``rows`` are slots (the rounding of a
+    :class:`RoundedRowStore` is keyed by it; None: the rows are the keys). The weights get no
+    ``.grad``: the optimizer step happens inside backward.
     """
     if torch.is_grad_enabled():
-        return _PooledLookup.apply(_ANCHOR, store, rows, offsets, out_device)
+        return _PooledLookup.apply(_ANCHOR, store, rows, offsets, out_device, keys)
     return store.pool(rows, offsets).to(out_device, non_blocking=True)
 
 

@@ -164,7 +164,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
         spec = {
             "scenario": scenario.model_dump(mode="json"),
             "scenario_file": scenario_file,
-            "cell": {"strategy": cell.strategy, "params": cell.params, "world_size": cell.world_size},
+            "cell": {"strategy": cell.strategy, "params": cell.params, "world_size": cell.world_size,
+                     "row_precision": cell.row_precision},
             "result": str(tmp_dir / "result.json"),
             "weights": str(weights_path) if weights_path else None,
             "progress": str(tmp_dir / "progress.json"),
@@ -246,6 +247,28 @@ def _max_weight_diff(a: Path, b: Path) -> float:
     if shapes[0] is None or shapes[0] != shapes[1]:  # a file of another scenario, or one not made by the runner
         raise RecordError(f"{a}: its tables differ in number or shape from the baseline's in {b}; not compared")
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(left, right))
+
+
+def weight_distance(mine: Path, fp32: Path, initial: list[torch.Tensor]) -> dict[str, float | int]:
+    """How far a cell's flushed weights are from the same cell's in fp32, over the rows the fp32
+    cell trained (those that moved from ``initial``): untrained rows differ only by the
+    rounding of their initial weights to the row type, which says nothing about training."""
+    left, right = _load_weights(mine), _load_weights(fp32)
+    largest, total, count, rows = 0.0, 0.0, 0, 0
+    for x, y, start in zip(left, right, initial):
+        trained = (y != start).any(1)
+        diff = (x[trained] - y[trained]).abs()
+        if diff.numel():
+            largest, total = max(largest, float(diff.max())), total + float(diff.sum(dtype=torch.float64))
+            count, rows = count + diff.numel(), rows + int(trained.sum())
+    return {"max": largest, "mean": total / count if count else 0.0, "rows_trained": rows}
+
+
+def _initial_tables(scenario: Scenario) -> list[torch.Tensor]:
+    from embbench.data.weights import initial_weights
+
+    tables = scenario.tables()
+    return [initial_weights(t, i, scenario.run.seed, 0, t.num_rows) for i, t in enumerate(tables)]
 
 
 def reusable_records(out_dir: Path, scenario: Scenario, weights_dir: Path | None,
@@ -387,6 +410,8 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
     baseline_ok: Record | None = None  # the baseline's record, for the loss check
+    fp32_records: dict[str, Record] = {}  # by the fp32 cell's id
+    initial: list[torch.Tensor] | None = None
     records = []
     for cell in cells:
         if cell.id in done:
@@ -396,6 +421,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                 on_start(cell)
             outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
             record = _new_record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
+                                 row_precision=cell.row_precision,
                                  status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,
                                  baseline=scenario.baseline, scenario=info, metrics=outcome.metrics,
                                  provenance=provenance(cell.strategy))
@@ -419,6 +445,16 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                     record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
+            fp32_id = Cell(cell.strategy, cell.params, cell.world_size).id
+            if cell.row_precision == "fp32":
+                fp32_records[cell.id] = record
+            elif cell.id not in done and fp32_id in fp32_records and _trained_steps(fp32_records[fp32_id]) == _trained_steps(record):
+                initial = initial if initial is not None else _initial_tables(scenario)
+                try:
+                    record.metrics["weight_diff_vs_fp32"] = weight_distance(
+                        mine, weights_dir / fp32_records[fp32_id].metrics["weights_file"], initial)
+                except RecordError as e:
+                    record.metrics["weights_not_compared_fp32"] = str(e)
         if write and cell.id not in done:  # a reused record stays as it was written
             try:
                 write_record(out_dir, cell.slug, record)
@@ -552,9 +588,10 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
 
 
 def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
-    """The strategy's own ``unsupported_reason``; a plugin that raises there fails its cell only."""
+    """The strategy's own ``unsupported_reason`` and row precision check; a plugin that raises
+    there fails its cell only."""
     try:
-        reason = cell.make_strategy().unsupported_reason(env)
+        reason = cell.make_strategy().refusal(env, cell.row_precision)
     except Exception as e:
         return CellOutcome("error", f"strategy {cell.strategy!r}: unsupported_reason raised {type(e).__name__}: {e}", None)
     return CellOutcome("unsupported", reason, None) if reason else None

@@ -27,7 +27,8 @@ from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
 from embbench.results import Record
 
-__all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "format_bytes", "parse_size", "recommend"]
+__all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
+           "recommend"]
 
 #: The parameter that sizes a cache (a convention of the built-in cached strategies).
 CACHE_RATIO = "cache_ratio"
@@ -85,6 +86,8 @@ class Candidate:
     interval: tuple[float, float] | None = None
     #: why this cell's speed is not to be bet on (a busy machine, a wide interval)
     flags: list[str] = field(default_factory=list)
+    #: the type its rows are stored in (``run.row_precision``)
+    row_precision: str = "fp32"
 
 
 @dataclass
@@ -183,6 +186,14 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
     return suggestions, notes
 
 
+def accuracy_reference(records: list[Record]) -> Record | None:
+    """The cell every AUC is held against (``--auc-tolerance``): the baseline strategy's, with
+    rows in fp32 where the run has it (a cell in fp16, bf16 or fp8 is held against fp32, never
+    against another reduced precision)."""
+    measured = [r for r in records if r.strategy == r.baseline and r.status == "ok"]
+    return next((r for r in measured if r.row_precision == "fp32"), measured[0] if measured else None)
+
+
 def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
     """Why the winner may not be the winner: a runner-up whose interval reaches it (not slower
     beyond noise), or a winner measured on a busy machine or with a wide interval."""
@@ -213,7 +224,7 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
     for world in sorted({r.world_size for r in records}):
         mine = [r for r in records if r.world_size == world]
         rec = Recommendation(world, None)
-        base = next((r for r in mine if r.strategy == r.baseline and r.status == "ok"), None)
+        base = accuracy_reference(mine)
         base_auc = rows[base.cell_id]["auc"] if base else None
         if base_auc is None:
             rec.notes.append(f"accuracy not checked: no measured AUC of the baseline ({mine[0].baseline}) at {world} rank(s)")
@@ -240,7 +251,7 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:
                 fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"],
-                                         row["auc"], flags=speed(r.metrics).flags))
+                                         row["auc"], flags=speed(r.metrics).flags, row_precision=r.row_precision))
         fitting.sort(key=lambda c: -c.throughput)
         if any(str(r.metrics.get("device", "")).startswith("cpu") for r in mine if r.metrics):
             rec.caveats.append("measured with the host CPU as the device: this ranks the cells of this machine, it "

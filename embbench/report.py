@@ -281,7 +281,8 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
             b = rec.best
             console.print(Text.assemble("recommended: ", (b.cell_id, "bold green"),
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
-                                        f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")))
+                                        f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
+                                        + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")))
         for caveat in rec.caveats:
             if caveat not in host_first:
                 console.print(Text(f"caveat: {caveat}", style="yellow"))

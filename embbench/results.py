@@ -171,6 +171,13 @@ class RankMetrics(TypedDict):
 
 
 @_open
+class WeightDistance(TypedDict):
+    max: NonNegative
+    mean: NonNegative
+    rows_trained: Count
+
+
+@_open
 class Metrics(TypedDict):
     """What an ``ok`` cell measured (:func:`embbench.runner.run_cell`)."""
 
@@ -205,6 +212,10 @@ class Metrics(TypedDict):
     # |this - the baseline's| for exact strategies that trained the same steps (launch._loss_diffs)
     train_loss_last10_diff_vs_baseline: NotRequired[NonNegative]
     logloss_diff_vs_baseline: NotRequired[NonNegative]
+    row_bytes: NotRequired[PositiveCount]  # one row's weights, scale and optimizer state in the row type
+    #: max and mean |Δw| from the same cell in fp32, over the rows that cell trained
+    weight_diff_vs_fp32: NotRequired[WeightDistance]
+    weights_not_compared_fp32: NotRequired[str]  # why weight_diff_vs_fp32 is absent
 
 
 @_open
@@ -259,6 +270,8 @@ class Record(BaseModel):
     strategy: str
     params: dict[str, Any]
     world_size: PositiveCount
+    #: the type the cell stored its rows in (``run.row_precision``); records before it: fp32
+    row_precision: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     status: Status
     message: str | None = None
     #: ``exact``: weights comparable with the baseline's; ``reordered``: compare by accuracy.
@@ -286,9 +299,10 @@ class Record(BaseModel):
     def _consistent(self) -> "Record":
         from embbench.scenario import Cell
 
-        expected = Cell(self.strategy, self.params, self.world_size).id
+        expected = Cell(self.strategy, self.params, self.world_size, self.row_precision).id
         if self.cell_id != expected:
-            raise _record_error("cell_id", f"{self.cell_id!r} does not match its strategy, params and world_size "
+            raise _record_error("cell_id", f"{self.cell_id!r} does not match its strategy, params, world_size "
+                                           "and row_precision "
                                            f"(which make {expected!r})")
         if self.status == "ok" and self.metrics is None:
             raise _record_error("metrics", "status ok without its measurements")

@@ -29,6 +29,7 @@ from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, 
                               speed_figures, warmed_up)
 from embbench.model import build_model
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
+from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
 from embbench.strategy import BuildContext, RuntimeEnv, Schedule, SparseModule, Unsupported
@@ -99,6 +100,7 @@ class _Training:
     loss_fn: torch.nn.Module = field(default_factory=torch.nn.BCEWithLogitsLoss)
     step_index: int = 0
     batch_cpu_seconds: float = 0.0
+    row_bytes: int = 0  # one row's weights, scale and optimizer state in the cell's row type
 
     @property
     def device(self) -> torch.device:
@@ -186,7 +188,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
     report("build", force=True)
 
     strategy = cell.make_strategy()
-    reason = strategy.unsupported_reason(env)
+    reason = strategy.refusal(env, cell.row_precision)
     if reason:
         raise Unsupported(reason)
 
@@ -204,6 +206,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
         train_batches=lambda n: (stream.fresh(i) for i in range(n)),
         warmup_steps=run.warmup_steps, process_group=process_group, train_steps=train_steps,
+        row_precision=cell.row_precision, seed=run.seed,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)
@@ -217,7 +220,8 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return _Training(run, env, process_group, cell.strategy, tables, global_batch, data, stream, train_steps, sparse,
-                     build_seconds, model, dense_optimizer)
+                     build_seconds, model, dense_optimizer,
+                     row_bytes=row_type(cell.row_precision).row_bytes(tables[0].dim, ctx.optimizer.state_width))
 
 
 # --- warm up ------------------------------------------------------------------------------------
@@ -450,6 +454,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         "schedule": "strategy" if training.stream.scheduled else "data",
         "dense_precision": training.run.dense_precision,
         "dense_precision_effective": effective_precision(training.run.dense_precision, training.device),
+        "row_bytes": training.row_bytes,
         "profile": profile,
         # what must fit on each device: the largest rank; and what the job holds in all
         "memory": {**_combine(ranks, max), "sum": _combine(ranks, sum)},
@@ -594,7 +599,8 @@ def main(spec_path: str) -> int:
     group = None
     try:
         scenario, _ = parse_scenario(spec["scenario"], spec["scenario_file"])
-        cell = Cell(spec["cell"]["strategy"], spec["cell"]["params"], spec["cell"]["world_size"])
+        cell = Cell(spec["cell"]["strategy"], spec["cell"]["params"], spec["cell"]["world_size"],
+                    spec["cell"].get("row_precision", "fp32"))
         device = resolve_device(scenario.run.device, local_rank)
         if world > 1:
             if device.type == "cuda":

@@ -27,6 +27,7 @@ from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.precision import DENSE_PRECISIONS, DensePrecision
+from embbench.row_precision import ROW_PRECISIONS, RowPrecision
 from embbench.strategy import Strategy, get_strategy
 
 __all__ = ["Cell", "Scenario", "cell_slug", "ScenarioError", "load_scenario", "parse_scenario", "read_scenario_text",
@@ -166,11 +167,26 @@ class RunConfig(_Strict):
     dense_precision: DensePrecision = Field(
         "fp32", description="the dense model's arithmetic: fp32, tf32 (CUDA matmuls) or bf16 (autocast); embeddings stay fp32")
 
+    row_precision: RowPrecision | list[RowPrecision] = Field(
+        "fp32", description="the type embedding rows are stored in (device, cache, host): fp32, fp16, bf16 or fp8 "
+                            "(E4M3, a float32 scale per row); a list: a cell for each")
+
     @field_validator("dense_precision", mode="before")
     @classmethod
     def _known_precision(cls, value: Any) -> Any:
         if value not in DENSE_PRECISIONS:
             raise ValueError(f"{value!r} is not one of {', '.join(DENSE_PRECISIONS)}")
+        return value
+
+    @field_validator("row_precision", mode="before")
+    @classmethod
+    def _known_row_precision(cls, value: Any) -> Any:
+        items = value if isinstance(value, list) else [value]
+        if not items or len(set(map(str, items))) != len(items):
+            raise ValueError(f"needs one or more distinct values, got {value!r}")
+        for item in items:
+            if item not in ROW_PRECISIONS:
+                raise ValueError(f"{item!r} is not one of {', '.join(ROW_PRECISIONS)}")
         return value
 
     @field_validator("world_size", mode="before")  # before the type check: one message, not one per type
@@ -204,6 +220,10 @@ class RunConfig(_Strict):
     @property
     def world_sizes(self) -> list[int]:
         return self.world_size if isinstance(self.world_size, list) else [self.world_size]
+
+    @property
+    def row_precisions(self) -> list[str]:
+        return self.row_precision if isinstance(self.row_precision, list) else [self.row_precision]
 
     def training_batches_read(self, profile: bool = True) -> int:
         """How many training batches a cell reads: the longest warm-up, every measured step, the
@@ -243,8 +263,11 @@ class Scenario(_Strict):
         """A hash of the effective scenario (after command-line overrides): what a cell's
         measurement depends on. The strategy list is left out (each cell names its strategy and
         parameters), so adding a cell to a scenario keeps the cells already measured comparable
-        and reusable (``--resume``), as ``recommend``'s "add this ratio, then run" suggests."""
-        canonical = json.dumps(self.model_dump(mode="json", exclude={"strategies"}), sort_keys=True)
+        and reusable (``--resume``), as ``recommend``'s "add this ratio, then run" suggests.
+        ``run.row_precision`` is left out for the same reason (each cell names its own), which
+        also keeps the digests of scenarios written before it existed."""
+        config = self.model_dump(mode="json", exclude={"strategies": True, "run": {"row_precision"}})
+        canonical = json.dumps(config, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def weights_compared(self) -> bool:
@@ -254,7 +277,7 @@ class Scenario(_Strict):
 
 
 #: A cell id whose file name is the id itself, its brackets as ``_`` (as every release wrote it).
-_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]+(\[[A-Za-z0-9_.=,-]*\])?@w[0-9]+")
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]+(\[[A-Za-z0-9_.=,-]*\])?@w[0-9]+(@(fp16|bf16|fp8))?")
 #: Longest file name a slug makes (most file systems allow 255 bytes; ``.rank0.log`` and the
 #: temporary file's affixes go around it).
 _MAX_SLUG = 200
@@ -263,7 +286,8 @@ _MAX_SLUG = 200
 def cell_slug(cell_id: str) -> str:
     """A cell id as a file name (its record is ``<slug>.json``), one per id.
 
-    A plain id (letters, digits and ``_.-=,`` in its name and parameters) keeps the name runs
+    A plain id (letters, digits and ``_.-=,`` in its name and parameters, and a row precision
+    suffix such as ``@fp16``) keeps the name runs
     have always had: the id with its brackets as ``_``. Any other id (a space, a slash, a
     non-ASCII letter in a parameter) is shortened to those characters and gets ``~`` and a
     hash of the whole id, so ids that differ only in what the name drops get two files (no
@@ -277,16 +301,20 @@ def cell_slug(cell_id: str) -> str:
 
 @dataclass(frozen=True)
 class Cell:
-    """One measurement: a strategy with concrete parameters at one world size."""
+    """One measurement: a strategy with concrete parameters at one world size and row precision."""
 
     strategy: str
     params: dict[str, Any] = field(default_factory=dict, hash=False)
     world_size: int = 1
+    row_precision: str = "fp32"
 
     @property
     def id(self) -> str:
+        """``strategy[params]@w<ranks>``, then ``@<precision>`` unless fp32 (fp32 ids are those
+        of records made before row precision existed)."""
         inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        return f"{self.strategy}[{inner}]@w{self.world_size}" if inner else f"{self.strategy}@w{self.world_size}"
+        base = f"{self.strategy}[{inner}]@w{self.world_size}" if inner else f"{self.strategy}@w{self.world_size}"
+        return base if self.row_precision == "fp32" else f"{base}@{self.row_precision}"
 
     @property
     def slug(self) -> str:
@@ -368,7 +396,8 @@ def parse_scenario(raw: Any, file: str = "<scenario>") -> tuple[Scenario, list[C
     for index, entry in enumerate(scenario.strategies):
         for params in _expand(entry, index, file):
             for world in scenario.run.world_sizes:
-                cells.append(Cell(entry.name, params, world))
+                for precision in sorted(scenario.run.row_precisions, key=lambda p: p != "fp32"):  # fp32 first: the others compare with it
+                    cells.append(Cell(entry.name, params, world, precision))
     cells.sort(key=lambda c: c.strategy != scenario.baseline)
     ids = [c.id for c in cells]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})

@@ -122,6 +122,10 @@ class BuildContext:
         process_group: the torch.distributed group of the ranks, or None for one process.
         train_steps: training batches the run hands the module in all: no look-ahead reaches
             further (None: not told).
+        row_precision: the type the rows are stored in (``run.row_precision``: fp32, fp16,
+            bf16, fp8; see :mod:`embbench.row_precision`); only ever one the strategy accepted
+            (:meth:`Strategy.row_precision_reason`).
+        seed: the scenario's seed (for a strategy's own random streams, e.g. stochastic rounding).
     """
 
     tables: list[TableSpec]
@@ -133,6 +137,8 @@ class BuildContext:
     warmup_steps: int = 0
     process_group: Any = None
     train_steps: int | None = None
+    row_precision: str = "fp32"
+    seed: int = 0
 
 
 @dataclass
@@ -235,6 +241,9 @@ class Strategy(abc.ABC):
     Params: ClassVar[type[StrategyParams]] = NoParams
     #: ``reordered`` if :meth:`schedule` changes the order of training samples.
     semantics: ClassVar[Semantics] = "exact"
+    #: The row precisions (``run.row_precision``) it can store rows in; the others are
+    #: ``unsupported`` (never run in fp32 under another name).
+    row_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
 
     def __init__(self, params: StrategyParams | None = None):
         self.params = params if params is not None else self.Params()
@@ -242,6 +251,16 @@ class Strategy(abc.ABC):
     def unsupported_reason(self, env: RuntimeEnv) -> str | None:
         """Why this strategy cannot run here, or None if it can."""
         return None
+
+    def row_precision_reason(self, precision: str, env: RuntimeEnv) -> str | None:
+        """Why this strategy cannot store its rows in ``precision`` here, or None if it can."""
+        if precision in self.row_precisions:
+            return None
+        return f"row_precision {precision}: {self.name} stores rows in {' or '.join(self.row_precisions)} only"
+
+    def refusal(self, env: RuntimeEnv, row_precision: str = "fp32") -> str | None:
+        """Why this cell cannot run here (:meth:`unsupported_reason`, then the row precision), or None."""
+        return self.unsupported_reason(env) or self.row_precision_reason(row_precision, env)
 
     def estimate_memory(self, tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> MemoryFootprint | None:
         """Static bytes per rank before anything is built (for ``--dry-run``), if known.

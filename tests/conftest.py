@@ -38,11 +38,12 @@ def tiny_scenario(**overrides) -> dict:
 
 
 def train_and_flush(raw: dict, strategy: str, params: dict | None = None, tmp_path: Path | None = None,
-                    world_size: int = 1) -> tuple[list[torch.Tensor], dict]:
+                    world_size: int = 1, row_precision: str = "fp32") -> tuple[list[torch.Tensor], dict]:
     """Run one cell in this process; return its flushed tables and its metrics."""
     scenario, _ = parse_scenario(raw, "test")
-    weights = (tmp_path or Path("/tmp")) / f"w-{strategy}-{abs(hash(str(params)))}.pt"
-    metrics = run_cell(scenario, Cell(strategy, params or {}, world_size), RuntimeEnv(torch.device("cpu")), weights)
+    weights = (tmp_path or Path("/tmp")) / f"w-{strategy}-{row_precision}-{abs(hash(str(params)))}.pt"
+    cell = Cell(strategy, params or {}, world_size, row_precision)
+    metrics = run_cell(scenario, cell, RuntimeEnv(torch.device("cpu")), weights)
     return torch.load(weights), metrics
 
 

@@ -25,10 +25,11 @@ def make_record(strategy: str = "device", params: dict | None = None, world_size
                 peak_bytes: int | None = None, host_bytes: int = 0, hit_rate: float | None = None,
                 unique_hit_rate: float | None = None, extra: dict | None = None, auc: float | None = 0.75,
                 digest: str = "d" * 64, provenance: dict | None = None, per_rank: list | None = None,
-                message: str | None = None, baseline: str = "device", **metric_overrides: Any) -> Record:
+                message: str | None = None, baseline: str = "device", row_precision: str = "fp32",
+                **metric_overrides: Any) -> Record:
     """A record whose step times (seconds) are ``step_times`` split into ``repeats`` repeats (in
     order), its speed figures made as the runner makes them."""
-    cell = Cell(strategy, params or {}, world_size)
+    cell = Cell(strategy, params or {}, world_size, row_precision)
     metrics = None
     if status == "ok":
         step_times = step_times or [0.01] * 12
@@ -49,7 +50,8 @@ def make_record(strategy: str = "device", params: dict | None = None, world_size
         }
     if status != "ok" and message is None:
         message = f"{status} (a test record)"  # every status but ok says why
-    return Record(cell_id=cell.id, strategy=strategy, params=params or {}, world_size=world_size, status=status,
+    return Record(cell_id=cell.id, strategy=strategy, params=params or {}, world_size=world_size,
+                  row_precision=row_precision, status=status,
                   message=message, baseline=baseline,
                   scenario={"name": "smoke", "file": "scenarios/smoke.yaml", "digest": digest, "config": {}},
                   metrics=metrics, provenance=provenance or PROVENANCE)
@@ -58,5 +60,5 @@ def make_record(strategy: str = "device", params: dict | None = None, world_size
 def write_run(directory: Path, records: list[Record]) -> Path:
     """The records as a run directory, one ``<cell slug>.json`` each (as ``embbench run`` writes)."""
     for r in records:
-        write_record(directory, Cell(r.strategy, r.params, r.world_size).slug, r)
+        write_record(directory, Cell(r.strategy, r.params, r.world_size, r.row_precision).slug, r)
     return directory

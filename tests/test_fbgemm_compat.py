@@ -19,7 +19,9 @@ def test_every_name_the_baselines_use_imports_from_the_installed_release():
     assert {fb.EmbOptimType.EXACT_SGD, fb.EmbOptimType.EXACT_ROWWISE_ADAGRAD}
     assert {fb.EmbeddingLocation.HOST, fb.EmbeddingLocation.MANAGED, fb.EmbeddingLocation.MANAGED_CACHING}
     assert {fb.ComputeDevice.CPU, fb.ComputeDevice.CUDA} and fb.PoolingMode.SUM is not None
-    assert fb.SparseType.FP32 is not None
+    # the row precisions (run.row_precision): fbgemm's and torchrec's names of each
+    for name in ("FP32", "FP16", "BF16", "NFP8"):
+        assert getattr(fb.SparseType, name) is not None and getattr(fb.DataType, name) is not None
 
 
 def test_the_fbgemm_and_torchrec_names_used_outside_baselines_resolve():

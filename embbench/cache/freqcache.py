@@ -33,11 +33,12 @@ from torch import Tensor
 from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
                                              auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
-from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
+from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
+from embbench.row_precision import ROW_PRECISIONS, row_type
 from embbench.sharding import TableWiseSharded
-from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
+from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams, Unsupported
 
 __all__ = ["FreqCache", "FreqCacheParams", "FreqCacheStrategy", "cache_window"]
 
@@ -100,14 +101,14 @@ class _Prefetched:
     plan: int
 
 
-def host_table(rows: int, width: int, device: torch.device) -> Tensor:
+def host_table(rows: int, width: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
     """``[rows, width]`` zeros in host memory that ``device`` addresses: on CUDA a host-mapped
     pinned tensor (fbgemm's op), which the GPU's gathers and scatters read and write directly."""
     if device.type != "cuda":
-        return torch.zeros(rows, width)
+        return torch.zeros(rows, width, dtype=dtype)
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
-    table = torch.ops.fbgemm.new_unified_tensor(torch.empty(0, device=device), [rows, width], True)
+    table = torch.ops.fbgemm.new_unified_tensor(torch.empty(0, device=device, dtype=dtype), [rows, width], True)
     return table.zero_()
 
 
@@ -124,7 +125,10 @@ class FreqCache(SparseModule):
         n, dim, width = self.space.num_rows, self.space.dim, ctx.optimizer.state_width
         self.num_rows, self.dim = n, dim
         self.capacity = max(1, min(n, math.ceil(params.cache_ratio * n)))
-        self.row_bytes = (dim + width) * 4
+        self.kind = kind = row_type(ctx.row_precision)  # rows stored in it on the host and in the slots
+        if kind.packing_problem(dim):
+            raise Unsupported(kind.packing_problem(dim))
+        self.row_bytes = kind.row_bytes(dim, width)
         self.max_ids = ctx.local_batch_size * sum(t.bag_size for t in ctx.tables)
 
         # Frequency profile of training batches only (BuildContext never offers eval data): it
@@ -137,18 +141,22 @@ class FreqCache(SparseModule):
                                      learn=params.policy == "lfu", decay_every=params.decay_every,
                                      window_rows=window_rows)
 
-        # Host table: each row beside its optimizer state, so one gather moves both.
-        self.host = host_table(n + 1, dim + width, self.device)
-        self.space.fill_initial(self.host[:n, :dim], ctx.init_weights)
+        # Host table: each row beside its scale (fp8) and optimizer state, packed in the row
+        # type's elements (RowType.pack), so one gather moves all of them.
+        self.host = host_table(n + 1, kind.packed_width(dim, width), self.device, kind.carrier)
+        host_weights, host_extras = kind.unpack(self.host[:n], dim)
+        self.space.fill_initial(host_weights, ctx.init_weights, kind=None if kind.exact else kind,
+                                scales=host_extras[:, :1])
         slots = self.planner.num_slots + 1  # the last: the sink
-        self.cache_weights = torch.zeros(slots, dim, device=self.device)
-        self.cache_state = torch.zeros(slots, width, device=self.device)
-        self.store = RowStore(self.cache_weights, self.cache_state, self.optimizer)
+        self.cache_weights = torch.zeros(slots, dim, dtype=kind.carrier, device=self.device)
+        # per slot: the row's scale (fp8) and optimizer state, float32
+        self.cache_extras = torch.zeros(slots, kind.extras(width), device=self.device)
+        self.store = RowStore(self.cache_weights, self.cache_extras, self.optimizer) if kind.exact else \
+            RoundedRowStore(self.cache_weights, self.cache_extras, self.optimizer, kind, ctx.seed)
 
         hot = self.planner.profile(profiled)
         warm = self.host[hot.to(self.host.device)].to(self.device)  # preloaded into slots 0..len-1
-        self.cache_weights[: len(hot)] = warm[:, :dim]
-        self.cache_state[: len(hot)] = warm[:, dim:]
+        self.cache_weights[: len(hot)], self.cache_extras[: len(hot)] = kind.unpack(warm, dim)
         del profiled, warm
 
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
@@ -285,12 +293,12 @@ class FreqCache(SparseModule):
     def _move(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor) -> None:
         """Dirty victims out to the host table, then the missing rows in (padded: the sink slot
         and the dummy host row take the padding)."""
-        dim, host = self.dim, self.host
-        out = torch.cat([self.cache_weights[write_back_slots], self.cache_state[write_back_slots]], 1)
+        host, kind = self.host, self.kind
+        out = kind.pack(self.cache_weights[write_back_slots], self.cache_extras[write_back_slots])
         host.index_copy_(0, write_back_rows.to(host.device), out.to(host.device))
-        rows = host[load_rows.to(host.device)].to(self.device)
-        self.cache_weights.index_copy_(0, load_slots, rows[:, :dim])
-        self.cache_state.index_copy_(0, load_slots, rows[:, dim:])
+        weights, extras = kind.unpack(host[load_rows.to(host.device)].to(self.device), self.dim)
+        self.cache_weights.index_copy_(0, load_slots, weights)
+        self.cache_extras.index_copy_(0, load_slots, extras)
 
     def _apply_late(self) -> None:
         """The last plan's moves into slots the step before it used, now that that step has
@@ -327,7 +335,9 @@ class FreqCache(SparseModule):
         if self.cuda:
             slots.record_stream(torch.cuda.current_stream(self.device))
         offsets = features.offsets().to(self.device)
-        return per_sample(pooled_lookup(self.store, slots, offsets, self.device), features)
+        # rounded rows: the rounding is keyed by each id's global row, wherever the row sits
+        keys = None if self.kind.exact else self.space.global_rows(features.to(self.device))
+        return per_sample(pooled_lookup(self.store, slots, offsets, self.device, keys), features)
 
     def prefetch(self, features: SparseFeatures) -> None:
         """Plan the next batch and move its rows now; the running batch's slots are kept."""
@@ -368,7 +378,7 @@ class FreqCache(SparseModule):
         return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes}
 
     def memory(self) -> MemoryFootprint:
-        device = self.cache_weights.nbytes + self.cache_state.nbytes + self.planner.nbytes
+        device = self.store.nbytes + self.planner.nbytes
         if self.cuda:
             return MemoryFootprint(device_bytes=device, host_bytes=0, pinned_bytes=self.host.nbytes)
         return MemoryFootprint(device_bytes=device, host_bytes=self.host.nbytes)
@@ -378,10 +388,13 @@ class FreqCache(SparseModule):
         self._apply_late()
         self._join_side()
         slots, rows = self.planner.dirty()
-        out = torch.cat([self.cache_weights[slots], self.cache_state[slots]], 1)
+        out = self.kind.pack(self.cache_weights[slots], self.cache_extras[slots])
         self.host.index_copy_(0, rows.to(self.host.device), out.to(self.host.device))
         self.planner.clean()
-        return [t.clone() for t in self.space.split(self.host[: self.num_rows, : self.dim].cpu())]
+        weights, extras = self.kind.unpack(self.host[: self.num_rows].cpu(), self.dim)
+        if not self.kind.exact:
+            weights = self.kind.decode(weights, extras[:, :1] if self.kind.scaled else None)
+        return [t.clone() for t in self.space.split(weights)]
 
     def extra_metrics(self) -> dict:
         """Belady's MIN on the recorded training stream at this capacity (per access and per
@@ -428,6 +441,7 @@ class FreqCacheStrategy(Strategy):
     name = "freqcache"
     summary = "frequency-aware software cache: host tables, the hottest rows (and their optimizer state) on the device"
     Params = FreqCacheParams
+    row_precisions = ROW_PRECISIONS
 
     def estimate_memory(self, tables, optimizer, world_size, local_batch_size=None, train_steps=None):
         n = sum(t.num_rows for t in tables)
