@@ -77,7 +77,7 @@ def priority_list() -> list[Item]:
     """What a lent machine runs after the CUDA tests, most important first."""
     headline = [Item("headline: Kaggle shape, cache 1.5 %", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15")]
     optional = []
-    row_precision = ROOT / "scenarios" / "row_precision.yaml"
+    row_precision = MATRIX / "row_precision.yaml"  # the full Kaggle shape (scenarios/row_precision.yaml: CPU-sized)
     if row_precision.exists():
         optional.append(Item("row precision", row_precision, "row_precision"))
     chunks = []
@@ -180,7 +180,7 @@ class Session:
         for cell in cells:
             if cell.id in done:
                 continue
-            refused = launch._outcome_without_launch(scenario, cell)  # unsupported or oom: no process, no time
+            refused = launch.outcome_without_launch(scenario, cell)  # unsupported or skipped: no process, no time
             estimate = None if refused else self._estimate(item, scenario, cell)
             title = f"{item.run} {cell.id}"
             if estimate is not None and estimate > self.ledger.left() - RESERVE_SECONDS:
@@ -205,7 +205,7 @@ class Session:
         limit = max(5.0, min(scenario.run.time_limit_s, self.ledger.left() - RESERVE_SECONDS))
 
         def execute(c: Cell, weights: Path | None):
-            return launch._outcome_without_launch(scenario, c) or launch.run_isolated(
+            return launch.outcome_without_launch(scenario, c) or launch.run_isolated(
                 scenario, str(item.scenario), c, run_dir / "logs", weights, time_limit_s=limit)
 
         order = [c for c in cells if c.id in done or c is cell]
