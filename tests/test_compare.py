@@ -222,6 +222,20 @@ def test_a_drop_inside_the_noise_cannot_be_judged():
     assert why.startswith("device@w1: cannot judge at 5%: noise ±") and float(why.split("±")[1].rstrip("%")) > 5
 
 
+def test_a_noisy_cell_cannot_be_judged_even_when_its_interval_lies_beyond():
+    """A run's interval over its own repeats misses what changes between runs (an idle A/A pair
+    of the smoke scenario showed -26% [-34%, -14%]): a cell noisier than the threshold is not
+    held to it."""
+    noisy = [10.0, 12.0, 9.0, 11.0, 13.0]
+    cells = compare_records([make_record(step_times=_repeats(noisy), repeats=5)],
+                            [make_record(step_times=_repeats([m * 2 for m in noisy]), repeats=5)])
+    assert cells[0].significance.interval[1] < 0.9 and cells[0].significance.noise_after > 0.1
+    assert regressions(cells, 0.10) == []
+    (why,) = cannot_judge(cells, 0.10)
+    assert why.startswith("device@w1: cannot judge at 10%: noise ±")
+    assert regressions(cells, 0.20) and cannot_judge(cells, 0.20) == []  # judged against a wider threshold
+
+
 def test_a_busy_machine_cannot_be_judged_even_when_the_interval_is_beyond():
     busy = {"others_cpu_share": 0.6, "steal_share": 0.0, "cores": 2}
     cells = compare_records([make_record(step_times=_repeats(_STEADY), repeats=5)],
