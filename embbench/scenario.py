@@ -154,7 +154,7 @@ class RunConfig(_Strict):
         None, ge=0, description="warm up until the cache's miss rate stops falling, at most this many steps "
                                 "(None: exactly warmup_steps)")
     steps: int = Field(20, gt=0, description="measured steps per repeat")
-    repeats: int = Field(3, ge=1)
+    repeats: int = Field(5, ge=1, description="timed windows of `steps` steps; each one's median step is one sample")
     eval_batches: int = Field(4, ge=0)
     seed: Seed = 0
     time_limit_s: float = Field(600, gt=0, description="per cell, build to evaluation")
