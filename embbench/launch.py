@@ -5,10 +5,11 @@ variables set: one process per device, gloo on the CPU, NCCL on GPUs) in a new p
 session. An exception, out-of-memory, a crash or a timeout becomes that cell's status; its
 processes are reaped, its record is written at once, and the next cell runs.
 
-The processes are forked from one server that imported torch, fbgemm and torchrec once for
-the whole run (multiprocessing's *forkserver*, started on the first cell, before any thread
-of this process or any CUDA context could be inherited): a cell starts in a fraction of a
-second instead of paying the 4-5 s of those imports again. Each rank is still a process of
+On the CPU the processes are forked from one server that imported torch, fbgemm and torchrec
+once for the whole run (multiprocessing's *forkserver*, started on the first cell, before any
+thread of this process could be inherited): a cell starts in a fraction of a second instead of
+paying the 4-5 s of those imports again. On CUDA each rank is a fresh interpreter, because a
+process forked after CUDA's driver was initialised (importing fbgemm_gpu does it) cannot use it. Each rank is still a process of
 its own, in a session of its own, with this process's environment and path at the time the
 cell starts, so a crash or a timeout ends that cell only.
 """
@@ -96,6 +97,33 @@ def _cell_context() -> Any:
     return ctx
 
 
+def _cell_device(scenario: Scenario) -> torch.device:
+    """The device a scenario's cells compute on (the CPU where CUDA is asked for and missing: such
+    a cell never starts, its strategy or the device refuses it first)."""
+    try:
+        return resolve_device(scenario.run.device)
+    except Unsupported:
+        return torch.device("cpu")
+
+
+class _Interpreter:
+    """A rank as a fresh ``python -m embbench.runner`` in a session of its own (used on CUDA), with
+    the few methods of a multiprocessing process the launcher uses."""
+
+    def __init__(self, spec_path: Path, log: Path, env: dict[str, str]):
+        with open(log, "w") as out:
+            self._popen = subprocess.Popen([sys.executable, "-m", "embbench.runner", str(spec_path)], stdout=out,
+                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.pid = self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def join(self) -> None:
+        self._popen.wait()
+
+
 @contextlib.contextmanager
 def _main_module_hidden():
     """While a process starts: multiprocessing would have it run this process's ``__main__``
@@ -176,7 +204,11 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
         port = _free_port()
         procs: list[Any] = []
         logs = [log_dir / f"{cell.slug}.rank{rank}.log" for rank in range(cell.world_size)]
-        ctx = _cell_context()  # before the clock starts: the first cell waits for the server's imports
+        # Forked from the cell server where the cell computes on the CPU. Not on CUDA: importing
+        # fbgemm_gpu asks torch.cuda.is_available(), which initialises the driver in the server,
+        # and a process forked after that cannot use CUDA; there each rank is a fresh interpreter.
+        forked = _cell_device(scenario).type != "cuda"
+        ctx = _cell_context() if forked else None  # before the clock: the first cell waits for the imports
         deadline = time.monotonic() + limit
         first_failure: float | None = None
         progress = None
@@ -189,10 +221,13 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                            LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            PYTHONUNBUFFERED="1")
                 try:
-                    proc = ctx.Process(target=cell_process.rank_main, args=(str(spec_path), str(log), env, list(sys.path)),
-                                       name=f"embbench-{cell.slug}-rank{rank}", daemon=False)
-                    with _main_module_hidden():
-                        proc.start()
+                    if forked:
+                        proc = ctx.Process(target=cell_process.rank_main, args=(str(spec_path), str(log), env, list(sys.path)),
+                                           name=f"embbench-{cell.slug}-rank{rank}", daemon=False)
+                        with _main_module_hidden():
+                            proc.start()
+                    else:
+                        proc = _Interpreter(spec_path, log, dict(env, EMBBENCH_LAUNCHER_PID=str(os.getpid())))
                     procs.append(proc)
                 except OSError as e:  # out of processes or memory: this cell fails, the run goes on
                     return CellOutcome("error", f"cannot start rank {rank}: {e}", None)

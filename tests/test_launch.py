@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from embbench.launch import run_cells, run_isolated
 from embbench.results import load_records, write_record
@@ -91,3 +92,23 @@ def test_a_plugin_that_is_not_a_strategy_is_rejected_naming_it(tmp_path, monkeyp
             get_strategy("bad")
     finally:
         load_strategies.cache_clear()
+
+
+def test_a_cuda_cell_runs_each_rank_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """Forked ranks cannot use CUDA once the server initialised its driver (importing fbgemm_gpu
+    does): where the cell's device is CUDA, each rank is `python -m embbench.runner`."""
+    from embbench import launch
+
+    started = []
+    real = launch._Interpreter
+
+    def spy(*args, **kwargs):
+        started.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "_cell_device", lambda scenario: torch.device("cuda"))
+    monkeypatch.setattr(launch, "_Interpreter", spy)
+    scenario, cells = parse_scenario(tiny_scenario(strategies=[{"name": "device"}]), "t.yaml")
+    outcome = launch.run_isolated(scenario, "t.yaml", cells[0], tmp_path / "logs")
+    assert outcome.status == "ok", outcome.message
+    assert len(started) == 1  # one rank, started as an interpreter of its own
