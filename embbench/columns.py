@@ -57,7 +57,12 @@ def speed(metrics: dict[str, Any]) -> Speed:
     from embbench.stats import repeat_medians, summarize_repeats
 
     step, rate, batch = metrics["step_time_s"], metrics["throughput"], metrics["samples_per_step"]
-    medians = step.get("repeat_medians") or repeat_medians(step["samples"], len(step["samples"]) // len(rate["per_repeat"]))
+    medians = step.get("repeat_medians")
+    if not medians:
+        try:
+            medians = repeat_medians(step["samples"], len(step["samples"]) // len(rate["per_repeat"]))
+        except ValueError:  # steps that do not split into its repeats: one sample, no interval
+            medians = [statistics.median(step["samples"])]
     try:
         summary = summarize_repeats(medians)
     except MissingDependency:  # no scipy: the point without its interval

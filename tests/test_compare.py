@@ -399,3 +399,12 @@ def test_a_malformed_threshold(runs, capsys):
 def test_load_runs_keeps_the_order_given(runs):
     loaded = load_runs([runs[1], runs[0]])
     assert [r.path for r in loaded] == [runs[1], runs[0]] and {r.cell_id for r in loaded[0].records} == {"device@w1", "cpu@w1"}
+
+
+def test_an_old_record_whose_steps_do_not_split_into_its_repeats_is_one_sample():
+    old = json.loads(make_record(step_times=[0.01] * 12, repeats=3).model_dump_json())
+    for key in ("repeat_medians", "median_of_repeats", "ci95"):
+        del old["metrics"]["step_time_s"][key]
+    old["metrics"]["step_time_s"]["samples"] = [0.01] * 11  # 11 steps, 3 repeats
+    fast = speed(Record(**old).metrics)
+    assert fast.repeat_medians_s == [0.01] and fast.throughput_interval is None and fast.noise is None
