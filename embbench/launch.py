@@ -37,6 +37,7 @@ import torch
 from pydantic import ValidationError
 
 from embbench import cell_process
+from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
                               schema_error, write_record)
@@ -537,14 +538,9 @@ def _free_host_bytes() -> tuple[int, str]:
     reclaimed. (RLIMIT_MEMLOCK is no reading of what CUDA may pin: the NVIDIA driver does not
     charge cudaHostAlloc to it.)"""
     free, source = _host_memory_bytes(), "physical memory"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                if available < free:
-                    free, source = available, "MemAvailable"
-    except (OSError, ValueError, IndexError):
-        pass
+    available = mem_available()
+    if available is not None and available < free:
+        free, source = available, "MemAvailable"
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):

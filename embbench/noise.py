@@ -16,7 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUSY_OTHERS_SHARE", "BUSY_STEAL_SHARE", "WIDE_NOISE", "flags", "gpu_id", "noise_floor", "sample", "usable_cores"]
+__all__ = ["BUSY_OTHERS_SHARE", "BUSY_STEAL_SHARE", "WIDE_NOISE", "flags", "gpu_id", "mem_available", "noise_floor",
+           "sample", "usable_cores"]
 
 #: Other processes took more than this share of the cores this process may use: a busy machine.
 BUSY_OTHERS_SHARE = 0.10
@@ -62,7 +63,8 @@ def _proc_stat() -> tuple[float, float] | None:
     return sum(fields[i] for i in _BUSY_FIELDS if i < len(fields)) / hz, steal / hz
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
+    """The kernel's MemAvailable in bytes, or None where unreadable."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -111,7 +113,7 @@ def sample(gpu: str | None = None) -> dict[str, Any]:
         "machine_busy_s": stat[0] if stat else None,
         "machine_steal_s": stat[1] if stat else None,
         "load_1min": os.getloadavg()[0],
-        "mem_available_bytes": _mem_available(),
+        "mem_available_bytes": mem_available(),
         "gpu": gpu_now,
     }
 

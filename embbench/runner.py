@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench import noise
+from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
 from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, miss_rate, peak_rss_bytes,
