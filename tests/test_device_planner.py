@@ -292,7 +292,7 @@ def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_syn
 
         from embbench.strategy import RuntimeEnv
 
-        return replace(_context(tables, opt, [b.cpu() for b in batches]), env=RuntimeEnv(device))
+        return replace(_context(tables, opt, [b.to(torch.device("cpu")) for b in batches]), env=RuntimeEnv(device))
 
     params = dict(cache_ratio=0.05, lookahead=4, profile_batches=2)
     graphed = FreqCache(context(), FreqCacheParams(**params, cuda_graph=True, compile=compile_))
