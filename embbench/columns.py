@@ -168,11 +168,21 @@ def flat_row(record: Record) -> dict[str, Any]:
     return row
 
 
+def baseline_throughputs(records: list[Record]) -> dict[tuple[str, int], float]:
+    """The throughput each record's speedup is against, by (scenario digest, world size): its own
+    scenario's baseline at the same ranks (never across scenarios), with fp32 rows where the
+    baseline also ran in lower precisions (the reference each precision is set beside)."""
+    base: dict[tuple[str, int], float] = {}
+    for r in sorted(records, key=lambda r: r.row_precision != "fp32"):
+        if r.strategy == r.baseline and r.status == "ok" and r.metrics:
+            base.setdefault((r.scenario["digest"], r.world_size), speed(r.metrics).throughput)
+    return base
+
+
 def flat_rows(records: list[Record]) -> list[dict[str, Any]]:
-    """:func:`flat_row` of each record, with ``speedup``: its throughput over the baseline's
-    of the same scenario at the same world size (None without a measured baseline)."""
-    base = {(r.scenario["digest"], r.world_size): speed(r.metrics).throughput for r in records
-            if r.strategy == r.baseline and r.status == "ok" and r.metrics}
+    """:func:`flat_row` of each record, with ``speedup``: its throughput over
+    :func:`baseline_throughputs` (None without a measured baseline)."""
+    base = baseline_throughputs(records)
     rows = []
     for r in records:
         row = flat_row(r)

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from embbench.columns import device_need_bytes, speed
+from embbench.columns import baseline_throughputs, device_need_bytes, speed
 from embbench.compare import METRICS, CellComparison, Delta, Significance
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
@@ -149,15 +149,12 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     """One row per cell: speed against the baseline, memory, accuracy, cache counters."""
     baseline_name = records[0].baseline if records else None
     records = sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
-    baseline_rate = {  # never across scenarios: a record's speedup is against its own scenario's baseline
-        (r.scenario["digest"], r.world_size): speed(r.metrics).throughput
-        for r in records if r.strategy == baseline_name and r.status == "ok"
-    }
+    baseline_rate = baseline_throughputs(records)
     notes = {
         "throughput": "samples/s: the global batch over the median of the repeats' median steps, with its 95% "
                       "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
                       "timed, wide!: its interval is wider than ±10%",
-        "speedup": f"speedup against {baseline_name} at the same ranks",
+        "speedup": f"speedup against {baseline_name} at the same ranks (its fp32 cell where it ran in several row precisions)",
         "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN: per "
                     "access an estimate a policy can beat, per distinct row (uniq) a bound",
         "cpu": "CPU ms per step: every thread of every rank, the timed steps' and any side thread's work beside them "

@@ -341,3 +341,16 @@ def test_a_record_under_another_cells_file_name_is_damaged_naming_both(tmp_path,
     assert code == 0 and out.count("│ cpu@w1 ") == 1
     assert err == (f"warning: {run / 'cpu@w1 (copy).json'}: holds the record of cell cpu@w1, whose file is cpu@w1.json; "
                    "a record belongs to its own file; skipped\n")
+
+
+def test_the_speedup_is_against_the_baseline_with_fp32_rows_where_it_ran_in_several_precisions(tmp_path, capsys):
+    """A row-precision scenario runs its baseline in fp32, fp16 and fp8: every speedup is against
+    the fp32 one, whatever the order of the records (on an H100 the fp8 cell was taken)."""
+    run = write_run(tmp_path / "a", [make_record("device", step_times=[0.010] * 12),
+                                     make_record("device", step_times=[0.020] * 12, row_precision="fp16"),
+                                     make_record("device", step_times=[0.040] * 12, row_precision="fp8"),
+                                     make_record("uvm_cache", step_times=[0.020] * 12, row_precision="fp8")])
+    code, out, _ = _cli(capsys, "show", run, "--json")
+    speedups = {r["cell_id"]: r["speedup"] for r in json.loads(out)}
+    assert code == 0 and speedups == {"device@w1": 1.0, "device@w1@fp16": 0.5, "device@w1@fp8": 0.25,
+                                      "uvm_cache@w1@fp8": 0.5}
