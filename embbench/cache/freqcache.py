@@ -30,6 +30,8 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from embbench.cache import row_copy
+from embbench.cache.row_copy import copy_rows, words
 from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
                                              auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
@@ -159,6 +161,10 @@ class FreqCache(SparseModule):
         self.cache_weights[: len(hot)], self.cache_extras[: len(hot)] = kind.unpack(warm, dim)
         del profiled, warm
 
+        moves_problem = row_copy.triton_problem(self.device)
+        self._triton_moves = moves_problem is None
+        self._moves_note = ("triton: padded entries skipped" if moves_problem is None else
+                            f"torch: padded to {self.max_ids:,} rows a move ({moves_problem})")
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         # The steady-state device steps, each with fixed shapes: compiled (torch.compile) and, on
         # CUDA, captured as graphs; and why they are not.
@@ -266,7 +272,7 @@ class FreqCache(SparseModule):
         except Exception as e:  # nothing ran yet (a compilation fails before it runs): run eagerly, say why
             self._compiling = False  # every step runs eagerly from here on
             self._compile_worked.clear()
-            self._compile_note = f"compiling {name} failed, eager: {type(e).__name__}: {str(e)[:300]}"
+            self._compile_note = f"compiling {name} failed, eager: {type(e).__name__}: {_head_and_tail(str(e))}"
             return self._steps[name](*inputs), False
         self._compile_worked.add(name)
         self._compile_note = "compiled: " + ", ".join(sorted(self._compile_worked))
@@ -291,8 +297,20 @@ class FreqCache(SparseModule):
                                    "hold their rows; run with cuda_graph: false")
 
     def _move(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor) -> None:
-        """Dirty victims out to the host table, then the missing rows in (padded: the sink slot
-        and the dummy host row take the padding)."""
+        """Dirty victims out to the host table, then the missing rows in. The moves are padded to
+        the batch's id capacity with the sink slot and the dummy host row: with Triton (CUDA)
+        the padding is skipped (:mod:`~embbench.cache.row_copy`), else it is copied there."""
+        if self._triton_moves:
+            sink, pad = self.planner.sink, self.planner.pad_row
+            out_slots, in_slots = (torch.where(s == sink, -1, s) for s in (write_back_slots, load_slots))
+            out_rows, in_rows = (torch.where(r == pad, -1, r) for r in (write_back_rows, load_rows))
+            host, weights, extras = words(self.host), words(self.cache_weights), words(self.cache_extras)
+            at = weights.shape[1]  # a packed host row: the weights' words, then the extras'
+            copy_rows(host, out_rows, weights, out_slots)
+            copy_rows(host, out_rows, extras, out_slots, dst_col=at)
+            copy_rows(weights, in_slots, host, in_rows, width=at)
+            copy_rows(extras, in_slots, host, in_rows, src_col=at)
+            return
         host, kind = self.host, self.kind
         out = kind.pack(self.cache_weights[write_back_slots], self.cache_extras[write_back_slots])
         host.index_copy_(0, write_back_rows.to(host.device), out.to(host.device))
@@ -405,6 +423,7 @@ class FreqCache(SparseModule):
                      "window_rows_per_batch": self.planner.window_rows, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,
                      "cache_graph_captured": bool(self._captured), "cache_graph": self._graph_note,
+                     "cache_moves": self._moves_note,
                      "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note,
                      "cache_compile_seconds": dict(self._compile_seconds)}
         if self._window_start is None:
@@ -426,6 +445,12 @@ class FreqCache(SparseModule):
             belady_window=[self._warmup_steps, self._warmup_steps + len(stream)],
         )
         return out
+
+
+def _head_and_tail(message: str, head: int = 200, tail: int = 800) -> str:
+    """A long error's first and last characters: inductor's errors name the kernel first and
+    say what failed last, after a subprocess's traceback."""
+    return message if len(message) <= head + tail else f"{message[:head]} [...] {message[-tail:]}"
 
 
 def _to_host(rows: Tensor) -> Tensor:
