@@ -11,7 +11,7 @@ from torch import Tensor
 from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
-from embbench.optim import EmbeddingOptimizer, aggregate_rows
+from embbench.optim import EmbeddingOptimizer, aggregate_rows, aggregate_rows_padded
 from embbench.row_precision import RowType, row_type, uniform_keyed
 
 __all__ = ["RoundedRowStore", "RowSpace", "RowStore", "per_sample", "pooled_lookup", "stored_rows", "whole_store"]
@@ -81,6 +81,12 @@ class RowStore:
     Subclasses (a cache) may override :meth:`apply_gradient` to do bookkeeping around it.
     """
 
+    #: How backward sums the gradients of repeated rows: True: at a fixed shape
+    #: (:func:`~embbench.optim.aggregate_rows_padded`), False: ``torch.unique``, None: fixed on
+    #: CUDA (where ``unique`` makes the host wait for the device every step), unique elsewhere
+    #: (fewer rows to update). Set it on a store to force one.
+    padded_aggregation: bool | None = None
+
     def __init__(self, weights: Tensor, state: Tensor, optimizer: EmbeddingOptimizer):
         self.weights, self.state, self.optimizer = weights, state, optimizer
 
@@ -97,13 +103,22 @@ class RowStore:
         bag_of_id = torch.repeat_interleave(
             torch.arange(offsets.numel() - 1, device=rows.device), offsets.diff(), output_size=rows.numel()
         )
-        unique, summed = aggregate_rows(rows, grad_pooled[bag_of_id])
+        grads = grad_pooled[bag_of_id]
+        padded = self.padded_aggregation
+        if padded is None:
+            padded = rows.device.type == "cuda"
+        if padded:
+            unique, summed, valid, inverse = aggregate_rows_padded(rows, grads)
+        else:
+            (unique, summed), valid = aggregate_rows(rows, grads), None
+            inverse = None if keys is None else torch.searchsorted(unique, rows)
         if keys is not None:  # the key of each unique row: any of its ids' (a slot holds one row)
-            keys = torch.empty_like(unique).scatter_(0, torch.searchsorted(unique, rows), keys.to(unique.dtype))
-        self.update_rows(unique, summed, unique if keys is None else keys)
+            keys = torch.zeros_like(unique).scatter_(0, inverse, keys.to(unique.dtype))
+        self.update_rows(unique, summed, unique if keys is None else keys, valid)
 
-    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor) -> None:
-        """The optimizer step of unique ``rows`` with their summed gradients."""
+    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, valid: Tensor | None = None) -> None:
+        """The optimizer step of ``rows`` with their summed gradients: unique rows, or those
+        of :func:`~embbench.optim.aggregate_rows_padded` (``valid``: False on its padding)."""
         self.optimizer.update(self.weights, self.state, rows, grad)
 
 
@@ -136,13 +151,16 @@ class RoundedRowStore(RowStore):
         ids = torch.arange(rows.numel(), device=rows.device)
         return torch.nn.functional.embedding_bag(ids, self.rows32(rows), offsets, mode="sum", include_last_offset=True)
 
-    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor) -> None:
+    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, valid: Tensor | None = None) -> None:
         weights, state = self.rows32(rows), self.state[rows]
         local = torch.arange(rows.numel(), device=rows.device)
         self.optimizer.update(weights, state, local, grad)
         uniform = uniform_keyed(self.seed, self.updates, keys, weights.shape[1])
         self.updates += 1
         stored, scale = self.kind.encode(weights, uniform)
+        if valid is not None:  # padding repeats row 0 (the same row): write row 0's values there too
+            stored, state, scale = (x if x is None else torch.where(valid[:, None], x, x[:1])
+                                    for x in (stored, state, scale))
         self.weights[rows] = stored
         self.state[rows] = state
         if scale is not None:

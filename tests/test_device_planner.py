@@ -64,9 +64,9 @@ def test_a_step_dispatches_no_operator_that_reads_a_device_value_on_the_host():
 
 
 def test_freqcache_s_training_steps_dispatch_no_operator_that_reads_a_device_value_on_the_host():
-    """The cache's part of a step as the runner drives it (look-ahead, forward with the late
-    moves, prefetch), compiled off. The backward is left out: its row-gradient aggregation
-    (``unique``) is the harness's own, the same in ``device``'s step."""
+    """A step as the runner drives it (look-ahead, forward with the late moves, prefetch,
+    backward, end), compiled off; the backward aggregates its row gradients at a fixed shape,
+    as it does on CUDA (on the CPU it takes ``torch.unique`` unless told otherwise)."""
     from embbench.cache import FreqCache, FreqCacheParams
     from embbench.optim import EmbeddingOptimizer
     from tests.test_freqcache import _context, _train
@@ -76,14 +76,14 @@ def test_freqcache_s_training_steps_dispatch_no_operator_that_reads_a_device_val
     batches = [data.batch(Stream.TRAIN, i, 16).sparse for i in range(14)]
     module = FreqCache(_context(tables, EmbeddingOptimizer(type="rowwise_adagrad", lr=0.1), batches),
                        FreqCacheParams(cache_ratio=0.05, lookahead=3, profile_batches=2, compile=False, belady_steps=0))
+    module.store.padded_aggregation = True
     _train(module, batches[:4], prefetch=True, lookahead=3)
     for i in range(4, len(batches) - 1):
         with HostReadCheck():
             module.look_ahead(batches[i + 1 : i + 4])
             out = module(batches[i])
             module.prefetch(batches[i + 1])
-        out.sum().backward()
-        with HostReadCheck():
+            out.sum().backward()
             module.end_step()
 
 
