@@ -75,12 +75,15 @@ class Item:
     #: run every cell with the code this lease carries, never from committed records: each lease
     #: answers the headline question anew (freqcache changes between leases)
     fresh: bool = False
+    #: a torch.profiler trace of a few untimed steps after each cell's measurement (run --profile):
+    #: the top kernels in the record, the trace in profiles/
+    profile: bool = False
 
 
 def priority_list() -> list[Item]:
     """What a lent machine runs after the CUDA tests, most important first."""
     headline = [Item("headline: Kaggle shape, cache 1.5 %", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15",
-                     fresh=True)]
+                     fresh=True, profile=True)]
     optional = []
     row_precision = MATRIX / "row_precision.yaml"  # the full Kaggle shape (scenarios/row_precision.yaml: CPU-sized)
     if row_precision.exists():
@@ -210,8 +213,11 @@ class Session:
         limit = max(5.0, min(scenario.run.time_limit_s, self.ledger.left() - RESERVE_SECONDS))
 
         def execute(c: Cell, weights: Path | None):
+            profile = run_dir / "profiles" / f"{c.slug}.trace.json" if item.profile else None
+            if profile is not None:
+                profile.parent.mkdir(exist_ok=True)
             return launch.outcome_without_launch(scenario, c) or launch.run_isolated(
-                scenario, str(item.scenario), c, run_dir / "logs", weights, time_limit_s=limit)
+                scenario, str(item.scenario), c, run_dir / "logs", weights, time_limit_s=limit, profile_path=profile)
 
         order = [c for c in cells if c.id in done or c is cell]
         records = launch.run_cells(scenario, str(item.scenario), order, run_dir, execute=execute, done=dict(done))
