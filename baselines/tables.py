@@ -19,7 +19,7 @@ from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.embedding import RowSpace, per_sample, pooled_lookup, stored_rows, whole_store
 from embbench.optim import EmbeddingOptimizer
-from embbench.row_precision import ROW_PRECISIONS
+from embbench.row_precision import ROW_PRECISIONS, table_bytes
 from embbench.sharding import TableWiseSharded
 from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy
 
@@ -102,9 +102,9 @@ class HostTables(SparseModule):
         return [w.detach().to(torch.float32, copy=True) for w in self.tbe.split_embedding_weights()]
 
 
-def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int) -> int:
+def _table_bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, world_size: int, row_precision: str) -> int:
     """Per rank, with the tables spread over the ranks (roughly: placement is by table)."""
-    return sum(t.num_rows * (t.dim + optimizer.state_width) * 4 for t in tables) // world_size
+    return table_bytes(tables, optimizer.state_width, row_precision) // world_size
 
 
 def _table_wise(ctx: BuildContext, build) -> SparseModule:
@@ -117,8 +117,8 @@ class DeviceStrategy(Strategy):
     summary = "every table in device memory (the reference for equivalence); table-wise over ranks"
     row_precisions = ROW_PRECISIONS
 
-    def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer, world_size))
+    def estimate_memory(self, tables, optimizer, world_size, row_precision="fp32"):
+        return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer, world_size, row_precision))
 
     def build(self, ctx: BuildContext) -> SparseModule:
         return _table_wise(ctx, WholeTables)
@@ -129,8 +129,8 @@ class CpuStrategy(FbgemmRowPrecision, Strategy):
     summary = "tables on the host: fbgemm's CPU kernel looks up and updates, pooled rows to the device; table-wise over ranks"
     cpu_kernels_always = True
 
-    def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer, world_size))
+    def estimate_memory(self, tables, optimizer, world_size, row_precision="fp32"):
+        return MemoryFootprint(host_bytes=_table_bytes(tables, optimizer, world_size, row_precision))
 
     def build(self, ctx: BuildContext) -> SparseModule:
         return _table_wise(ctx, HostTables)

@@ -27,7 +27,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer
-from embbench.row_precision import ROW_PRECISIONS
+from embbench.row_precision import ROW_PRECISIONS, table_bytes
 from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams,
                                Unsupported)
 
@@ -389,8 +389,8 @@ class TorchrecTables(SparseModule):
         return out
 
 
-def _bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer) -> int:
-    return sum(t.num_rows * (t.dim + optimizer.state_width) * 4 for t in tables)
+def _bytes(tables: list[TableSpec], optimizer: EmbeddingOptimizer, row_precision: str) -> int:
+    return table_bytes(tables, optimizer.state_width, row_precision)
 
 
 def _needs_cuda(env: RuntimeEnv) -> str | None:
@@ -412,8 +412,8 @@ class GpuShardedStrategy(FbgemmRowPrecision, Strategy):
             return "torchrec shards row_wise only on CUDA devices"
         return None
 
-    def estimate_memory(self, tables, optimizer, world_size):
-        return MemoryFootprint(device_bytes=math.ceil(_bytes(tables, optimizer) / world_size))
+    def estimate_memory(self, tables, optimizer, world_size, row_precision="fp32"):
+        return MemoryFootprint(device_bytes=math.ceil(_bytes(tables, optimizer, row_precision) / world_size))
 
     def build(self, ctx: BuildContext) -> SparseModule:
         sharding = None if self.params.sharding == "auto" else self.params.sharding
@@ -427,8 +427,8 @@ class UvmStrategy(FbgemmRowPrecision, Strategy):
     def unsupported_reason(self, env: RuntimeEnv) -> str | None:
         return _needs_cuda(env)
 
-    def estimate_memory(self, tables, optimizer, world_size):
-        managed = math.ceil(_bytes(tables, optimizer) / world_size)  # fbgemm's EmbeddingLocation.MANAGED
+    def estimate_memory(self, tables, optimizer, world_size, row_precision="fp32"):
+        managed = math.ceil(_bytes(tables, optimizer, row_precision) / world_size)  # fbgemm's EmbeddingLocation.MANAGED
         return MemoryFootprint(host_bytes=managed, managed_bytes=managed)
 
     def build(self, ctx: BuildContext) -> SparseModule:
@@ -453,11 +453,13 @@ class UvmCacheStrategy(FbgemmRowPrecision, Strategy):
             return "fbgemm's prefetch pipeline supports the LRU cache only (it asserts so in 1.6 and 1.8)"
         return _needs_cuda(env)
 
-    def estimate_memory(self, tables, optimizer, world_size):
-        # fbgemm's cache holds weights only; optimizer state stays in unified memory
+    def estimate_memory(self, tables, optimizer, world_size, row_precision="fp32"):
+        # fbgemm's cache holds weights only (fp32 rows in fp32, others in fp16); optimizer state
+        # stays in unified memory
         cached = fbgemm_cache_rows(self.params.cache_ratio, sum(t.num_rows for t in tables))
-        managed = math.ceil(_bytes(tables, optimizer) / world_size)  # EmbeddingLocation.MANAGED_CACHING
-        return MemoryFootprint(device_bytes=cached * tables[0].dim * 4, host_bytes=managed, managed_bytes=managed)
+        managed = math.ceil(_bytes(tables, optimizer, row_precision) / world_size)  # EmbeddingLocation.MANAGED_CACHING
+        element = 4 if row_precision == "fp32" else 2
+        return MemoryFootprint(device_bytes=cached * tables[0].dim * element, host_bytes=managed, managed_bytes=managed)
 
     def build(self, ctx: BuildContext) -> SparseModule:
         from baselines._fbgemm import CacheAlgorithm, CacheParams

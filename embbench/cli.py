@@ -25,7 +25,7 @@ from rich.text import Text
 
 from embbench.commands import run_command
 from embbench.device import resolve_device
-from embbench.launch import RecordsNotWritten, other_scenario, outcome_without_launch, run_cells
+from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
 from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
@@ -88,7 +88,7 @@ def _dry_run(scenario, cells) -> list[str]:
     skipped = []
     for cell in cells:
         try:
-            estimate = cell.make_strategy().estimate_memory(tables, scenario.optimizer.embedding, cell.world_size)
+            estimate = memory_estimate(scenario, cell)
         except Exception:
             estimate = None  # a broken plugin: outcome_without_launch names it
         outcome = outcome_without_launch(scenario, cell)

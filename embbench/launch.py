@@ -42,7 +42,7 @@ from embbench.device import resolve_device
 from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
                               schema_error, write_record)
 from embbench.scenario import Cell, Scenario
-from embbench.strategy import RuntimeEnv, Unsupported, estimate_kwargs
+from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 
 __all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "other_scenario", "reusable_records",
            "run_cells", "run_isolated", "scenario_info"]
@@ -565,6 +565,15 @@ def _free_device_bytes(device: torch.device) -> tuple[int, int]:
         return props.total_memory, props.total_memory
 
 
+def memory_estimate(scenario: Scenario, cell: Cell) -> MemoryFootprint | None:
+    """The strategy's static bytes per rank for this cell (``Strategy.estimate_memory``, given the
+    run's batch, training batches and row precision where it declares them), or None."""
+    strategy = cell.make_strategy()
+    run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
+                          train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision)
+    return strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+
+
 def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tuple[dict[str, int] | None, str | None]:
     """The strategy's static-memory estimate for this cell (bytes per rank: ``device``, ``host``)
     and why it cannot fit on this machine now, or None for the reason when it fits or is unknown.
@@ -579,10 +588,7 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     strategy.
     """
     try:
-        strategy = cell.make_strategy()
-        run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
-                              train_steps=scenario.run.training_batches_read() - 1)
-        est = strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+        est = memory_estimate(scenario, cell)
     except Exception as e:
         raise RuntimeError(f"strategy {cell.strategy!r}: estimate_memory raised {type(e).__name__}: {e}") from e
     if est is None:

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_PRECISIONS", "RowPrecision", "RowType", "row_type", "stochastic_round", "uniform_keyed"]
+__all__ = ["ROW_PRECISIONS", "RowPrecision", "RowType", "row_type", "stochastic_round", "table_bytes", "uniform_keyed"]
 
 RowPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 ROW_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8")
@@ -129,6 +129,14 @@ def row_type(precision: str) -> RowType:
         return _TYPES[precision]
     except KeyError:
         raise ValueError(f"unknown row precision {precision!r}; known: {', '.join(ROW_PRECISIONS)}") from None
+
+
+def table_bytes(tables, state_width: int, precision: str = "fp32") -> int:
+    """Bytes of ``tables`` (anything with ``num_rows`` and ``dim``) stored in ``precision``, with
+    ``state_width`` float32s of optimizer state per row (and fp8's scale): what the memory
+    estimates count. fbgemm keeps no per-row scale for its fp8 rows: 4 bytes a row high there."""
+    kind = row_type(precision)
+    return sum(t.num_rows * kind.row_bytes(t.dim, state_width) for t in tables)
 
 
 def stochastic_round(x: Tensor, uniform: Tensor, mantissa_bits: int, min_exponent: int, max_value: float) -> Tensor:

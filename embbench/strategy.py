@@ -266,9 +266,10 @@ class Strategy(abc.ABC):
         """Static bytes per rank before anything is built (for ``--dry-run``), if known.
 
         An override may also declare the keyword arguments ``local_batch_size`` (samples per
-        step on a rank) and ``train_steps`` (the training batches the run hands the module, so
-        the most :meth:`SparseModule.look_ahead` ever sees); the preflight passes those it
-        declares (:func:`estimate_kwargs`)."""
+        step on a rank), ``train_steps`` (the training batches the run hands the module, so
+        the most :meth:`SparseModule.look_ahead` ever sees) and ``row_precision`` (the cell's
+        ``run.row_precision``: :func:`~embbench.row_precision.table_bytes` counts its rows);
+        the preflight and ``--dry-run`` pass those it declares (:func:`estimate_kwargs`)."""
         return None
 
     def schedule(self, ctx: ScheduleContext) -> Schedule | None:
@@ -280,8 +281,9 @@ class Strategy(abc.ABC):
     def build(self, ctx: BuildContext) -> SparseModule: ...
 
 
-def estimate_kwargs(strategy: Strategy, **run: int) -> dict[str, int]:
-    """Of ``run`` (``local_batch_size``, ``train_steps``), what ``strategy.estimate_memory`` declares."""
+def estimate_kwargs(strategy: Strategy, **run: Any) -> dict[str, Any]:
+    """Of ``run`` (``local_batch_size``, ``train_steps``, ``row_precision``), what
+    ``strategy.estimate_memory`` declares."""
     accepted = inspect.signature(strategy.estimate_memory).parameters
     return {key: value for key, value in run.items() if key in accepted}
 

@@ -243,3 +243,22 @@ def test_recommend_holds_every_precision_to_the_fp32_baselines_auc_and_names_the
     assert "below the baseline's 0.7500" in rec.excluded["device@w1@fp8"]
     (loose,) = recommend(records, Budget(1 << 30), auc_tolerance=0.02)
     assert (loose.best.cell_id, loose.best.row_precision) == ("device@w1@fp8", "fp8")
+
+
+@pytest.mark.parametrize("strategy, params", [("device", {}), ("cpu", {}), ("gpu_sharded", {}), ("uvm", {}),
+                                              ("uvm_cache", {"cache_ratio": 0.1}), ("freqcache", {"cache_ratio": 0.1})])
+def test_memory_estimates_count_rows_in_the_cell_s_precision(strategy, params):
+    """The preflight and --dry-run (launch.memory_estimate) count a row's bytes in its precision:
+    an fp32 estimate for fp16 rows would refuse cells that fit (the 1TB shape at dim 128 in fp16
+    on an 80 GB card)."""
+    from embbench.launch import memory_estimate
+    from embbench.row_precision import table_bytes
+
+    scenario, cells = parse_scenario(tiny_scenario(strategies=[{"name": strategy, "params": params}], baseline=strategy,
+                                                   run={"row_precision": ["fp32", "fp16", "fp8"]}), "t.yaml")
+    total = {c.row_precision: sum(vars(memory_estimate(scenario, c)).get(k) or 0
+                                  for k in ("device_bytes", "host_bytes", "pinned_bytes")) for c in cells}
+    tables, width = scenario.tables(), scenario.optimizer.embedding.state_width
+    assert total["fp32"] > total["fp16"] > total["fp8"] > 0
+    if strategy in ("device", "cpu", "gpu_sharded", "uvm"):  # the tables and nothing else
+        assert {p: total[p] for p in total} == {p: table_bytes(tables, width, p) for p in total}

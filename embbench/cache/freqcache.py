@@ -468,9 +468,10 @@ class FreqCacheStrategy(Strategy):
     Params = FreqCacheParams
     row_precisions = ROW_PRECISIONS
 
-    def estimate_memory(self, tables, optimizer, world_size, local_batch_size=None, train_steps=None):
+    def estimate_memory(self, tables, optimizer, world_size, local_batch_size=None, train_steps=None,
+                        row_precision="fp32"):
         n = sum(t.num_rows for t in tables)
-        row_bytes = (tables[0].dim + optimizer.state_width) * 4
+        row_bytes = row_type(row_precision).row_bytes(tables[0].dim, optimizer.state_width)
         n = n // world_size  # per rank, roughly: placement is by table
         cached = max(1, math.ceil(self.params.cache_ratio * n))
         device = cached * (row_bytes + DevicePlanner.SLOT_BYTES)
