@@ -301,7 +301,9 @@ def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_syn
     reference = train(WholeTables(context()), sync_check=False)
     extra = graphed.extra_metrics()
     assert extra["cache_graph_captured"], extra["cache_graph"]
-    assert extra["cache_compiled"] == (["enter", "late", "plan"] if compile_ else []), extra["cache_compile"]
+    # with Triton's moves the late step is moves only: nothing to compile
+    compiled = ["enter", "plan"] if extra["cache_moves"].startswith("triton") else ["enter", "late", "plan"]
+    assert extra["cache_compiled"] == (compiled if compile_ else []), extra["cache_compile"]
     for a, b, c in zip(got, expected, reference):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a.cpu(), c.cpu())

@@ -227,7 +227,9 @@ class DevicePlanner:
         # read as 0 (see device_step): a policy error, never a misplaced row.
         width = sketch_width or min(num_rows, capacity + max_ids)
         self.sketch_bits = max(4, int(width - 1).bit_length())
-        narrow = 0 < decay_every <= 2048
+        # Not on CUDA: inductor compiles index_add_ to Triton's atomic_add, which takes no 16-bit
+        # integers (the plan step failed to compile on the H100 with int16 counters).
+        narrow = 0 < decay_every <= 2048 and torch.device(device).type != "cuda"
         self.sketch = torch.zeros(sketch_depth, 1 << self.sketch_bits, dtype=torch.int16 if narrow else torch.int32,
                                   device=device)
         self._multipliers = torch.tensor([_signed(v) for v in _MULTIPLIERS[:sketch_depth]], device=device)[:, None]

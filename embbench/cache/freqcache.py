@@ -232,12 +232,23 @@ class FreqCache(SparseModule):
 
     def _plan_and_move(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
         """A plan's device work and its early moves; returns the plan's tensors."""
+        return self._early_moves(self._planned(rows, train, step))
+
+    def _planned(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
         plan = self.planner.device_step(rows, train, step)
-        self._move(*plan.part(late=False))
         return plan.slots, plan.write_back_slots, plan.write_back_rows, plan.load_slots, plan.load_rows, plan.late
+
+    def _early_moves(self, out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        _, write_back_slots, write_back_rows, load_slots, load_rows, late = out
+        self._move(*DevicePlan.moves(~late, write_back_slots, write_back_rows, load_slots, load_rows,
+                                     self.planner.sink, self.planner.pad_row))
+        return out
 
     def _steady_plan(self, rows: Tensor) -> tuple[Tensor, ...]:
         return self._plan_and_move(rows, True, _STEADY)
+
+    def _steady_planned(self, rows: Tensor) -> tuple[Tensor, ...]:
+        return self._planned(rows, True, _STEADY)
 
     def _late_moves(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor,
                     late: Tensor) -> None:
@@ -284,7 +295,13 @@ class FreqCache(SparseModule):
         if not self._compiling:
             return self._steps[name]
         if name not in self._compiled:
-            self._compiled[name] = torch.compile(self._steps[name], dynamic=False, fullgraph=True)
+            if self._triton_moves and name == "late":  # nothing but moves: Triton kernels already
+                self._compiled[name] = self._steps[name]
+            elif self._triton_moves and name == "plan":  # the moves outside the compiled graph
+                planned = torch.compile(self._steady_planned, dynamic=False, fullgraph=True)
+                self._compiled[name] = lambda rows: self._early_moves(planned(rows))
+            else:
+                self._compiled[name] = torch.compile(self._steps[name], dynamic=False, fullgraph=True)
         return self._compiled[name]
 
     def _check_first_replay(self, slots: Tensor, rows: Tensor) -> None:
