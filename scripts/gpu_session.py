@@ -78,12 +78,18 @@ class Item:
     #: a torch.profiler trace of a few untimed steps after each cell's measurement (run --profile):
     #: the top kernels in the record, the trace in profiles/
     profile: bool = False
+    #: a run folder of this session to compare these cells against (compare.txt beside show.txt)
+    against: str | None = None
 
 
 def priority_list() -> list[Item]:
     """What a lent machine runs after the CUDA tests, most important first."""
     headline = [Item("headline: Kaggle shape, cache 1.5 %", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15",
-                     fresh=True, profile=True)]
+                     fresh=True, profile=True),
+                # the same device cell again: what a second run of identical code moves (the GPU's
+                # noise floor, which "freqcache beats device" must clear)
+                Item("A/A: device again", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15-aa", ("device",),
+                     fresh=True, against="kaggle_alpha1.15")]
     optional = []
     row_precision = MATRIX / "row_precision.yaml"  # the full Kaggle shape (scenarios/row_precision.yaml: CPU-sized)
     if row_precision.exists():
@@ -207,6 +213,8 @@ class Session:
             self.ledger.add(title, estimate, used, _summary(record))
             self.archive()
         self._show(run_dir)
+        if item.against:
+            self._compare(self.work / item.against, run_dir)
 
     def _run_cell(self, scenario: Scenario, item: Item, cell: Cell, cells: list[Cell], done: dict, run_dir: Path):
         """One cell through launch.run_cells (the baseline's record first, for the loss check),
@@ -259,16 +267,25 @@ class Session:
         return copied
 
     def _show(self, run_dir: Path) -> None:
-        from embbench import cli
-
-        text = io.StringIO()
-        try:
-            with redirect_stdout(text), redirect_stderr(text):
-                cli.main(["show", str(run_dir), "--wide"])
-        except SystemExit:
-            pass
-        (run_dir / "show.txt").write_text(text.getvalue())
+        (run_dir / "show.txt").write_text(_cli_output("show", str(run_dir), "--wide"))
         self.archive()
+
+    def _compare(self, baseline: Path, run_dir: Path) -> None:
+        (run_dir / "compare.txt").write_text(_cli_output("compare", str(baseline), str(run_dir)))
+        self.archive()
+
+
+def _cli_output(*argv: str) -> str:
+    """What ``embbench ARGV`` prints, errors included."""
+    from embbench import cli
+
+    text = io.StringIO()
+    try:
+        with redirect_stdout(text), redirect_stderr(text):
+            cli.main(list(argv))
+    except SystemExit:
+        pass
+    return text.getvalue()
 
 
 def estimate(scenario: Scenario, cell: Cell, compiled: bool = False) -> float:

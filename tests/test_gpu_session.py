@@ -64,5 +64,7 @@ def test_the_priority_list_starts_with_the_headline_and_names_existing_scenarios
     assert all(item.scenario.exists() for item in items)
     plan = gpu_session.plan_text().splitlines()
     assert plan[0].startswith("headline: Kaggle shape, cache 1.5 %") and " 4 cells " in plan[0]
-    assert plan[1].startswith("row precision") and "(row_precision.yaml)" in plan[1]
-    assert " 1 cells " in plan[2]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
+    assert plan[1].startswith("A/A: device again") and " 1 cells " in plan[1]
+    assert items[1].against == items[0].run and items[1].fresh  # compared with the headline's device
+    assert plan[2].startswith("row precision") and "(row_precision.yaml)" in plan[2]
+    assert " 1 cells " in plan[3]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
