@@ -341,7 +341,8 @@ def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], bud
                            f"fused_uvm_caching for {len(cached)} of {len(tables)} tables"
                            + (f" (caching {100 * share:.1f}% of their rows)" if cached else "")
                            + f" and {len(tables) - len(cached)} whole on the device: {format_bytes(total)} of the "
-                           f"{format_bytes(budget.device_bytes)} (it holds back 15% and the input batches' bytes)"))
+                           f"{format_bytes(budget.device_bytes)} budget (torchrec keeps the rest for the dense part "
+                           "and the input batches)"))
 
 
 def profile_tables(records: list[Record], top: int = 10) -> list[Table]:

@@ -135,7 +135,7 @@ def test_no_torchrec_plan_is_one_line_and_the_exit_code_of_the_answer(plan_run, 
     from embbench.cli import main
     from embbench.results import load_records
 
-    run = write_run(tmp_path / "run", load_records([plan_run / "device@w1.json", plan_run / "uvm_cache_algorithm=lru,cache_ratio=0.05_@w1.json"]))
+    run = write_run(tmp_path / "run", load_records(plan_run))  # the records without the curve
     assert main(["recommend", str(run), "--device-memory", "16MiB", "--torchrec-plan"]) == 0
     assert f"torchrec plan at 1 rank(s): not made: {run / 'curve.json'}: no curve file" in capsys.readouterr().out
     _write_curve(run / "curve.json")  # tables hot and cold, not the run's
