@@ -30,7 +30,7 @@ from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
 from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
-from embbench.results import RecordError, by_scenario, load_records, run_directory_lock, scenario_differences
+from embbench.results import RUN_CURVE, RecordError, by_scenario, load_records, run_directory_lock, scenario_differences
 from embbench.scenario import ScenarioError, load_scenario
 from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
 from embbench.table_view import View, column_names
@@ -521,12 +521,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     from embbench.recommend import Budget, parse_size, recommend
-    from embbench.report import print_recommendations
+    from embbench.report import print_recommendations, print_torchrec_plans
 
     budget = Budget(parse_size(args.device_memory, "--device-memory"),
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
     records = _load_runs([args.run])[0].records
-    curve_file = Path(args.curve) if args.curve else Path(args.run) / "curve.json"
+    curve_file = Path(args.curve) if args.curve else Path(args.run) / RUN_CURVE
     curve = None
     if args.curve or curve_file.exists():
         from embbench.cache.curve import read_curve
@@ -535,11 +535,39 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(Text(f"cache curve: {curve_file} (a ratio to measure next stops at its knee)", style="dim"))
     recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve)
+    plans = {r.world_size: _torchrec_plan(records, curve_file, budget.device_bytes, r.world_size)
+             for r in recs} if args.torchrec_plan else {}
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in recs], indent=2))
+        print(json.dumps([{**dataclasses.asdict(r), **({"torchrec_plan": plans[r.world_size]} if plans else {})}
+                          for r in recs], indent=2))
     else:
         print_recommendations(recs, budget, args.run, console)
+        if plans:
+            print_torchrec_plans(plans, recs, budget, console)
     return 0
+
+
+def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int) -> dict:
+    """``recommend --torchrec-plan``: torchrec's planner on the run's tables at the budget, with
+    the curve's statistics; where it cannot plan, why (the answer is still embbench's)."""
+    out = {"world_size": world_size, "device_bytes_per_rank": device_bytes, "tables": None, "unavailable": None}
+    config = next((r.scenario for r in records if r.scenario.get("config")), None)
+    try:
+        if not curve_file.exists():
+            raise ValueError(f"{curve_file}: no curve file (write one with `embbench curve SCENARIO --out {curve_file}`)")
+        if config is None:
+            raise ValueError("the records hold no scenario config to take the tables from")
+        from embbench.cache.torchrec_stats import plan_tables
+        from embbench.scenario import parse_scenario
+
+        scenario, _ = parse_scenario(config["config"], config.get("file", "<record>"))
+        tables = plan_tables(scenario.tables(), curve_file, device_bytes, world_size,
+                             max(1, scenario.data.batch_size // world_size))
+        out["tables"] = [dataclasses.asdict(t) for t in tables]
+    except Exception as e:  # noqa: BLE001 - torchrec missing or its planner refusing must not cost the answer
+        first = (str(e).strip().splitlines() or [""])[0]
+        out["unavailable"] = f"{type(e).__name__}: {first}" if not isinstance(e, (ValueError, OSError)) else first
+    return out
 
 
 def _precision_pairs(runs):
@@ -818,6 +846,9 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     rec.add_argument("--curve", help="an `embbench curve --out` JSON of the scenario (default RUN/curve.json if there): "
                                      "a suggested cache ratio stops at its knee")
+    rec.add_argument("--torchrec-plan", action="store_true",
+                     help="also print torchrec's planner's proposal for the run's tables at the same device memory, "
+                          "with the curve's miss rates as its cache statistics (needs the curve)")
     rec.set_defaults(func=cmd_recommend)
     comp = sub.add_parser("compare", help="compare runs cell by cell: deltas and their significance (B, C, ... against A)")
     comp.add_argument("runs", nargs="+", metavar="RUN", help="run directories; the first is the baseline")

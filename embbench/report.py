@@ -15,7 +15,7 @@ from embbench.results import Record
 from embbench.table_view import Column, Grid, Row, View, print_grid
 
 __all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
-           "print_recommendations", "profile_tables"]
+           "print_recommendations", "print_torchrec_plans", "profile_tables"]
 
 _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "skipped": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
@@ -308,6 +308,41 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
                           soft_wrap=True)  # the command is pasted as one line: not wrapped
         for note in rec.notes:
             console.print(Text(f"note: {note}", style="dim"))
+
+
+def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], budget: Budget, console: Console) -> None:
+    """``recommend --torchrec-plan``: per world size, torchrec's plan for the same tables and
+    budget (its cost model: an estimate, not a measurement) beside embbench's measured pick."""
+    picks = {r.world_size: r.best for r in recs}
+    for world, plan in plans.items():
+        if plan["tables"] is None:
+            console.print(Text(f"torchrec plan at {world} rank(s): not made: {plan['unavailable']}", style="yellow"))
+            continue
+        tables = plan["tables"]
+        console.print()
+        table = Table(title=Text(f"torchrec's plan at {world} rank(s), {format_bytes(budget.device_bytes)} device memory "
+                                 "per rank", style="bold"), title_justify="left", header_style="bold",
+                      caption="torchrec's EmbeddingShardingPlanner and EmbeddingOffloadScaleupProposer, with the cache "
+                              "curve's LRU miss rates; rows in fp32; device MiB: its storage estimate (an estimate, not "
+                              "measured)")
+        for col in ["table", "rows", "sharding", "kernel", "cache load factor", "device MiB"]:
+            table.add_column(col, justify="left" if col in ("table", "sharding", "kernel") else "right")
+        for t in tables:
+            table.add_row(t["name"], f"{t['rows']:,}", t["sharding_type"], t["compute_kernel"],
+                          "-" if t["load_factor"] is None else f"{t['load_factor']:.3g}", _mib(t["device_bytes"]))
+        cached = [t for t in tables if t["load_factor"] is not None]
+        total = sum(t["device_bytes"] for t in tables)
+        table.add_section()
+        table.add_row("total", f"{sum(t['rows'] for t in tables):,}", "", f"{len(cached)} cached", "", _mib(total))
+        console.print(table)
+        share = (sum(t["load_factor"] * t["rows"] for t in cached) / sum(t["rows"] for t in cached)) if cached else 0
+        best = picks.get(world)
+        console.print(Text(f"embbench measured: {best.cell_id if best else 'no cell that fits'}; torchrec plans "
+                           f"fused_uvm_caching for {len(cached)} of {len(tables)} tables"
+                           + (f" (caching {100 * share:.1f}% of their rows)" if cached else "")
+                           + f" and {len(tables) - len(cached)} whole on the device: {format_bytes(total)} of the "
+                           f"{format_bytes(budget.device_bytes)} budget (torchrec keeps the rest for the dense part "
+                           "and the input batches)"))
 
 
 def profile_tables(records: list[Record], top: int = 10) -> list[Table]:

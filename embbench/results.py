@@ -595,6 +595,10 @@ def read_record(path: Path) -> Record:
     return record
 
 
+#: A run's cache curve (``embbench curve --out RUN/curve.json``), beside its records and not one.
+RUN_CURVE = "curve.json"
+
+
 def load_records(paths: Path | list[Path], on_damaged: Callable[[RecordError], None] | None = None) -> list[Record]:
     """Every record of one or more run directories (or record files), each checked
     (:func:`read_record`); the one way records are read.
@@ -614,7 +618,7 @@ def load_records(paths: Path | list[Path], on_damaged: Callable[[RecordError], N
     files: list[Path] = []
     for path in [paths] if isinstance(paths, Path) else paths:
         if path.is_dir():
-            found = sorted(path.glob("*.json"))
+            found = sorted(f for f in path.glob("*.json") if f.name != RUN_CURVE)
         elif path.exists():
             found = [path]
         else:

@@ -15,6 +15,9 @@ fbgemm cache is LRU, so the LRU line is the default.
 
 from __future__ import annotations
 
+import logging
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,7 @@ from torchrec.distributed.types import CacheParams, CacheStatistics
 
 from embbench.cache.curve import read_curve
 
-__all__ = ["CurveCacheStatistics", "curve_constraints"]
+__all__ = ["CurveCacheStatistics", "PlannedTable", "curve_constraints", "plan_tables"]
 
 
 class CurveCacheStatistics(CacheStatistics):
@@ -79,3 +82,68 @@ def curve_constraints(path: str | Path, policy: str = "lru", load_factor: float 
                                        cache_params=CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=start,
                                                                 stats=CurveCacheStatistics(curve, name, policy)))
             for name in curve["tables"]}
+
+
+@dataclass
+class PlannedTable:
+    """One table of torchrec's plan: where its planner puts the table, and the device bytes
+    its storage estimate gives it (all shards together)."""
+
+    name: str
+    rows: int
+    sharding_type: str
+    compute_kernel: str
+    #: the cache's size as a fraction of the rows (``fused_uvm_caching`` only)
+    load_factor: float | None
+    device_bytes: int
+
+
+def plan_tables(tables: list, curve_path: str | Path, device_bytes: int, world_size: int = 1,
+                batch_size: int = 512, policy: str = "lru") -> list[PlannedTable]:
+    """torchrec's plan for ``tables`` (:class:`~embbench.data.presets.TableSpec`, rows in fp32)
+    on ``world_size`` GPUs of ``device_bytes`` each: its ``EmbeddingShardingPlanner`` with the
+    curve's statistics (:func:`curve_constraints`) and its ``EmbeddingOffloadScaleupProposer``,
+    ``batch_size`` samples per rank. Planning needs no GPU. torchrec's ``PlannerError`` (no
+    plan fits) propagates; a curve without the tables, or measured on tables of other sizes, is
+    a ValueError naming the file."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.proposers import EmbeddingOffloadScaleupProposer
+    from torchrec.distributed.planner.types import Stats
+
+    curve_rows = read_curve(curve_path)["tables"]
+    missing = [t.name for t in tables if t.name not in curve_rows]
+    other = [f"{t.name}: {curve_rows[t.name]:,} rows in the curve, {t.num_rows:,} in the scenario"
+             for t in tables if t.name in curve_rows and curve_rows[t.name] != t.num_rows]
+    if missing or other:
+        raise ValueError(f"{curve_path}: not a curve of these tables ("
+                         + (f"no {', '.join(missing)}" if missing else "; ".join(other[:3]))
+                         + "); measure it with `embbench curve SCENARIO --out` on the run's scenario")
+
+    class BestPlan(Stats):  # torchrec hands its stats the chosen sharding options, with their storage
+        def log(self, *, best_plan, **_):
+            self.options = best_plan
+
+    best = BestPlan()
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows,
+                                                            feature_names=[t.name]) for t in tables],
+                                 device=torch.device("meta"))
+    constraints = curve_constraints(curve_path, policy)
+    torchrec_log = logging.getLogger("torchrec")
+    level = torchrec_log.level
+    torchrec_log.setLevel(logging.ERROR)  # its advice on building a Topology and on dry runs, not the user's concern
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            topology = Topology(world_size=world_size, compute_device="cuda", hbm_cap=device_bytes)
+            planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, batch_size=batch_size,
+                                               proposer=EmbeddingOffloadScaleupProposer(), stats=best)
+            planner.plan(ebc, [EmbeddingBagCollectionSharder()])
+    finally:
+        torchrec_log.setLevel(level)
+    rows = {t.name: t.num_rows for t in tables}
+    return [PlannedTable(o.name, rows[o.name], o.sharding_type, o.compute_kernel,
+                         o.cache_load_factor if o.compute_kernel == "fused_uvm_caching" else None,
+                         int(sum(s.storage.hbm for s in o.shards))) for o in best.options]
