@@ -215,7 +215,7 @@ class Session:
         def execute(c: Cell, weights: Path | None):
             profile = run_dir / "profiles" / f"{c.slug}.trace.json" if item.profile else None
             if profile is not None:
-                profile.parent.mkdir(exist_ok=True)
+                profile.parent.mkdir(parents=True, exist_ok=True)
             return launch.outcome_without_launch(scenario, c) or launch.run_isolated(
                 scenario, str(item.scenario), c, run_dir / "logs", weights, time_limit_s=limit, profile_path=profile)
 
