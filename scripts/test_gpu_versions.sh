@@ -13,7 +13,7 @@ venv="${EMBBENCH_VENV:-$root/.venv-gpu-versions}"
 EMBBENCH_VENV="$venv" EMBBENCH_TORCH=torch==2.11.0 "$root/scripts/setup_env.sh"
 # torch 2.11's triton 3.6 runs the row-copy kernel on a CPU (tests/test_row_copy.py) only with
 # numpy < 2.4 (triton-lang/triton#9171).
-"$venv/bin/python" -m pip install -q "numpy<2.4" 2>&1 | grep -v "is ignored" >&2 || true
+"$venv/bin/python" -m pip install -q "numpy<2.4" 2>&1 | { grep -v "is ignored" || true; } >&2
 cd "$root"
 "$venv/bin/python" -c "from importlib.metadata import version as v; import fbgemm_gpu
 print(f'test_gpu_versions: torch {v(\"torch\")}, fbgemm_gpu {fbgemm_gpu.__version__}, torchrec {v(\"torchrec\")}')"
