@@ -22,6 +22,7 @@ from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
 from embbench.outputs import atomic_write, claim_output, head_has
+from embbench.results import RUN_CURVE
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
@@ -214,7 +215,7 @@ def plot_cache_curve(run: Run) -> str | None:
     and the run's measured cells of that family as points."""
     from embbench.cache.curve import read_curve
 
-    path = Path(run.path) / "curve.json"
+    path = Path(run.path) / RUN_CURVE
     if not path.is_file():
         return None
     curve = read_curve(path)

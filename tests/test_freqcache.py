@@ -34,8 +34,10 @@ def _context(tables, opt, batches, warmup=0) -> BuildContext:
 
 
 def _train(module, batches, prefetch: bool, lookahead: int = 0) -> list[torch.Tensor]:
-    """Train as the runner does: look ahead, forward, prefetch the next batch, backward."""
-    g = torch.Generator().manual_seed(7)
+    """Train as the runner does: look ahead, forward, prefetch the next batch, backward (on the
+    batches' device)."""
+    device = batches[0].values.device
+    g = torch.Generator(device=device).manual_seed(7)
     outputs = []
     for i, features in enumerate(batches):
         if lookahead and i + 1 < len(batches):
@@ -43,7 +45,7 @@ def _train(module, batches, prefetch: bool, lookahead: int = 0) -> list[torch.Te
         out = module(features)
         if prefetch and i + 1 < len(batches):
             module.prefetch(batches[i + 1])
-        grad = torch.randn(out.shape, generator=g)
+        grad = torch.randn(out.shape, generator=g, device=device)
         (out * grad).sum().backward()
         outputs.append(out.detach())
     return outputs

@@ -18,7 +18,7 @@ from embbench.cache import FreqCache, FreqCacheParams, row_copy
 from embbench.data import SparseFeatures, TableSpec
 from embbench.optim import EmbeddingOptimizer
 from embbench.strategy import RuntimeEnv
-from tests.test_freqcache import _context
+from tests.test_freqcache import _context, _train
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (it comes with torch's CUDA builds)")
@@ -67,17 +67,7 @@ def test_freqcache_with_the_kernel_s_moves_trains_like_with_torch_s(device, prec
         ctx = replace(_context(tables, opt, batches), env=RuntimeEnv(device), row_precision=precision)
         cache = FreqCache(ctx, params)
         cache._triton_moves = kernel
-        on_device = [b.to(device) for b in batches]
-        grads = torch.Generator(device=device).manual_seed(7)
-        outputs = []
-        for i, features in enumerate(on_device):  # as the runner: look ahead, forward, prefetch, backward
-            cache.look_ahead(on_device[i + 1 : i + 1 + cache.lookahead])
-            out = cache(features)
-            if i + 1 < len(on_device):
-                cache.prefetch(on_device[i + 1])
-            (out * torch.randn(out.shape, generator=grads, device=device)).sum().backward()
-            cache.end_step()
-            outputs.append(out.detach())
+        outputs = _train(cache, [b.to(device) for b in batches], prefetch=True, lookahead=cache.lookahead)
         return outputs, cache.flush(), cache
 
     got, got_tables, cache = trained(True)
