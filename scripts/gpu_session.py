@@ -44,7 +44,8 @@ CUDA_TESTS = [
 #: Device seconds of one cell at the Criteo-Kaggle shape on an H100: process start, tables (17 GB
 #: of initial weights on 16 cores, then to the device), warm-up, 90 measured steps, evaluation.
 #: Measured on 2026-11-26 (results/2026-11-26-h100): device 19-24 s, uvm_cache 26-31 s, freqcache
-#: 55 s (its compilation failed after 5 s); the others are 2026-11-23's 55-76 s less the faster fill.
+#: 55 s (its plan step failed to compile and ran eagerly); the others are 2026-11-23's 55-76 s less
+#: the faster fill (a guess until measured).
 KAGGLE_SECONDS = {"device": 25, "gpu_sharded": 40, "uvm": 45, "uvm_cache": 32, "cpu": 120, "freqcache": 50,
                   "colossalai": 60, "fae": 60, "sfctr": 75}
 FIRST_COMPILE_SECONDS = 40
