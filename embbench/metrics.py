@@ -13,7 +13,14 @@ import torch
 from torch import Tensor
 
 __all__ = ["belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
-           "device_memory", "OpCounter", "miss_rate", "warmed_up"]
+           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "unstable_training"]
+
+#: A training loss this many times the first step's says the optimizer overshot. The scenarios'
+#: old dense Adagrad at lr 0.05 reached 1.7e6 at step 1 (from 0.69) and recovered; a run that does
+#: is chaotic: a 1e-7 relative nudge of the initial weights moved its log loss by 1.2e-2 after
+#: 112 steps (docs/measurement.md), so accuracy differences between its cells are not the
+#: strategies'.
+UNSTABLE_LOSS_RATIO = 10.0
 
 
 class StepTimer:
@@ -193,6 +200,18 @@ def auc_logloss(logits: Tensor, labels: Tensor) -> tuple[float | None, float, st
         return None, logloss, (f"undefined: all {labels.numel()} evaluation labels are "
                                f"{'positive' if positives else 'negative'} (AUC needs both classes)")
     return float(binary_auroc(torch.sigmoid(logits), labels.long())), logloss, None
+
+
+def unstable_training(accuracy: dict[str, Any] | None) -> str | None:
+    """Why a cell's accuracy says little about its strategy (its training loss spiked far above
+    the first step's), or None."""
+    accuracy = accuracy or {}
+    first, peak = accuracy.get("train_loss_first"), accuracy.get("train_loss_peak")
+    if first is None or peak is None or peak <= UNSTABLE_LOSS_RATIO * first:
+        return None
+    return (f"unstable training: the loss reached {peak:.3g} at step {accuracy.get('train_loss_peak_step')} "
+            f"(the first was {first:.3g}): accuracy differences between cells are the training's chaos, "
+            f"not the strategies' (lower the learning rate)")
 
 
 def peak_rss_bytes() -> int:

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from embbench.columns import baseline_throughputs, device_need_bytes, speed
 from embbench.compare import METRICS, CellComparison, Delta, Significance
+from embbench.metrics import unstable_training
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
 from embbench.table_view import Column, Grid, Row, View, print_grid
@@ -175,8 +176,10 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
     for r in records:  # why a cell has no numbers, or numbers not to bet on
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
-        elif r.status == "ok" and r.metrics and speed(r.metrics).flags:
-            console.print(Text(f"{r.cell_id}: {'; '.join(speed(r.metrics).flags)}", style="yellow"))
+        elif r.status == "ok" and r.metrics:
+            why_not = speed(r.metrics).flags + [w for w in [unstable_training(r.metrics.get("accuracy"))] if w]
+            if why_not:
+                console.print(Text(f"{r.cell_id}: {'; '.join(why_not)}", style="yellow"))
 
 
 _DIRECTION_STYLE = {"better": "green", "worse": "red", "same": "dim"}

@@ -117,6 +117,10 @@ class Accuracy(TypedDict):
     auc_missing: NotRequired[str]  # why auc is None (one class only: undefined)
     logloss: NotRequired[NonNegative | None]
     eval_samples: NotRequired[Count]
+    # the training loss's course: its first value, and its highest with the step (absent in older records)
+    train_loss_first: NotRequired[NonNegative]
+    train_loss_peak: NotRequired[NonNegative]
+    train_loss_peak_step: NotRequired[Count]
 
 
 @_open
@@ -187,6 +191,7 @@ class Metrics(TypedDict):
     measured_steps: PositiveCount
     warmup_steps: Count
     warmup_steps_run: NotRequired[Count]  # absent before warm-up could run on: then warmup_steps
+    trained_steps: NotRequired[PositiveCount]  # before the evaluation (absent in older records)
     warmup_miss_rates: NotRequired[list[Rate | None]]
     build_seconds: NotRequired[NonNegative]
     step_time_s: StepTimes

@@ -69,7 +69,8 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
     timing = _time_steps(training, report)
     ops = _count_ops(training)
     profile = _profile(training, profile_path) if profile_path is not None else None
-    accuracy = _evaluate(training, timing.losses, report)
+    _catch_up(training, warmup, report)
+    accuracy = _evaluate(training, report)
     weights = _save_weights(training, weights_path)
     return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights)
 
@@ -100,6 +101,8 @@ class _Training:
     loss_fn: torch.nn.Module = field(default_factory=torch.nn.BCEWithLogitsLoss)
     step_index: int = 0
     batch_cpu_seconds: float = 0.0
+    #: every step's training loss, in order (device tensors: read once, at the end)
+    losses: list[torch.Tensor] = field(default_factory=list)
     row_bytes: int = 0  # one row's weights, scale and optimizer state in the cell's row type
 
     @property
@@ -174,6 +177,7 @@ class _Training:
         with StepTimer(self.device) as timer:
             loss = self.train_step()
         self.step_index += 1
+        self.losses.append(loss)
         return timer.seconds, loss
 
 
@@ -269,7 +273,6 @@ def _generator_rate(training: _Training) -> float:
 @dataclass
 class _Timing:
     step_seconds: list[float]
-    losses: list[torch.Tensor]
     counters: dict[str, int]
     #: this rank's CPU seconds (every thread) in its timed steps, the untimed batch-making excluded
     cpu_seconds: float
@@ -309,7 +312,7 @@ def _time_steps(training: _Training, report: "_Progress") -> _Timing:
     counters = _sum_counters(counters_before, training.sparse.counters())
     window_cpu = end["process_cpu_s"] - start["process_cpu_s"]
     making_batches = training.batch_cpu_seconds - batch_cpu_before
-    return _Timing(step_seconds, losses, counters, max(0.0, window_cpu - making_batches),
+    return _Timing(step_seconds, counters, max(0.0, window_cpu - making_batches),
                    (start, end), window_cpu)
 
 
@@ -321,6 +324,19 @@ def _count_ops(training: _Training) -> OpCounter:
         for _ in range(OPS_STEPS):
             training.timed_step()
     return ops
+
+
+def _catch_up(training: _Training, warmup: _WarmUp, report: "_Progress") -> None:
+    """Untimed steps up to the longest warm-up a cell may run, so that every cell of a scenario
+    has trained the same batches when it is evaluated: a cache that warmed up longer would
+    otherwise be compared after more training (its accuracy and weights against the baseline's)."""
+    missing = training.run.warmup_bound - warmup.steps_run
+    if missing > 0:
+        report("catch-up", 0, missing, force=True)
+        training.prepare(missing)
+        for _ in range(missing):
+            training.timed_step()
+        _check_finite(training.losses[-missing:], training.step_index - missing)
 
 
 def _profile(training: _Training, path: Path, top: int = 15) -> dict[str, Any]:
@@ -353,9 +369,9 @@ def _profile(training: _Training, path: Path, top: int = 15) -> dict[str, Any]:
 # --- evaluate -----------------------------------------------------------------------------------
 
 
-def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progress") -> dict[str, Any]:
-    """The last training losses, and AUC and log loss on a held-out stream, never seen by
-    training or frequency statistics."""
+def _evaluate(training: _Training, report: "_Progress") -> dict[str, Any]:
+    """The last training losses (the same batches in every cell: :func:`_catch_up`), and AUC and
+    log loss on a held-out stream, never seen by training or frequency statistics."""
     run, env, group = training.run, training.env, training.process_group
     report("eval", 0, run.eval_batches, force=True)
     training.model.eval()
@@ -365,7 +381,8 @@ def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progres
             batch = training.data.batch(Stream.EVAL, i, training.global_batch).shard(env.rank, env.world_size)
             logits.append(training.model(batch.dense, training.pooled(batch.sparse)))
             labels.append(batch.labels)
-    accuracy: dict[str, Any] = {"train_loss_last10": float(torch.stack(losses[-10:]).mean())}
+    accuracy: dict[str, Any] = {"train_loss_last10": float(torch.stack(training.losses[-10:]).mean()),
+                                **_loss_course(training.losses)}
     if logits:
         all_logits, all_labels = torch.cat(logits), torch.cat(labels)
         if env.world_size > 1:
@@ -374,6 +391,16 @@ def _evaluate(training: _Training, losses: list[torch.Tensor], report: "_Progres
         auc, logloss, no_auc = auc_logloss(all_logits, all_labels)
         accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel(), **({"auc_missing": no_auc} if no_auc else {}))
     return accuracy
+
+
+def _loss_course(losses: list[torch.Tensor]) -> dict[str, Any]:
+    """The first training loss and the highest, with its step: a peak far above the first says
+    the optimizer overshot (:func:`embbench.metrics.unstable_training`)."""
+    if not losses:
+        return {}
+    course = torch.stack(losses).float().cpu()
+    peak = int(course.argmax())
+    return {"train_loss_first": float(course[0]), "train_loss_peak": float(course[peak]), "train_loss_peak_step": peak}
 
 
 def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
@@ -437,6 +464,8 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         "measured_steps": measured_steps,
         "warmup_steps": run.warmup_steps,
         "warmup_steps_run": warmup.steps_run,
+        # every step trained before the evaluation: the same for every cell of a scenario (_catch_up)
+        "trained_steps": training.step_index,
         "warmup_miss_rates": warmup.miss_rates,
         "build_seconds": training.build_seconds,
         "step_time_s": step_time,

@@ -14,7 +14,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.launch import run_cells
 from embbench.metrics import warmed_up
 from embbench.runner import Diverged, StrategyOutputError, run_cell
-from embbench.scenario import Cell, parse_scenario
+from embbench.scenario import OPS_STEPS, Cell, parse_scenario
 from embbench.strategy import RuntimeEnv, Schedule
 from tests.conftest import _install_plugin, tiny_scenario, train_and_flush
 
@@ -290,3 +290,31 @@ def test_every_record_counts_operators_and_can_carry_a_profile(tmp_path):
     seen = [p for s, p in phases if s == "device"]
     order = ["build", "warmup", "measure", "eval"]
     assert seen[-1] == "eval" and seen == sorted(seen, key=order.index)
+
+
+def test_every_cell_is_evaluated_after_the_same_batches_whatever_its_warm_up(tmp_path):
+    """A cache that warms up longer than the baseline catches up, untimed, before the evaluation:
+    both trained the same batches, so the exact one's losses and weights are compared with the
+    baseline's (they were not, before: its accuracy was the result of more training)."""
+    raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.02, "profile_batches": 0}}],
+                        run={"warmup_steps": 2, "warmup_max_steps": 40})
+    scenario, cells = parse_scenario(raw, "t")
+    device, cache = (r.metrics for r in run_cells(scenario, "t", cells, tmp_path))
+    assert device["warmup_steps_run"] < cache["warmup_steps_run"]
+    assert device["trained_steps"] == cache["trained_steps"] == 40 + device["measured_steps"] + OPS_STEPS
+    assert cache["train_loss_last10_diff_vs_baseline"] < 1e-6 and cache["logloss_diff_vs_baseline"] < 1e-6
+    assert cache["max_weight_diff_vs_baseline"] < 1e-6
+
+
+def test_a_training_loss_that_spikes_is_said_under_the_table():
+    from embbench.metrics import unstable_training
+
+    assert unstable_training({"train_loss_first": 0.69, "train_loss_peak": 0.7, "train_loss_peak_step": 3}) is None
+    assert unstable_training({}) is None  # an older record
+    why = unstable_training({"train_loss_first": 0.69, "train_loss_peak": 1.7e6, "train_loss_peak_step": 1})
+    assert why.startswith("unstable training: the loss reached 1.7e+06 at step 1 (the first was 0.69)")
+    # a run whose dense optimizer overshoots records the course of its loss
+    raw = tiny_scenario(strategies=[{"name": "device"}], optimizer={"dense": {"type": "adagrad", "lr": 0.5}})
+    scenario, _ = parse_scenario(raw, "t")
+    accuracy = run_cell(scenario, Cell("device"), CPU)["accuracy"]
+    assert accuracy["train_loss_peak"] > 10 * accuracy["train_loss_first"] and accuracy["train_loss_peak_step"] > 0
