@@ -64,6 +64,7 @@ METRICS = [
     # per access where counted, else per distinct row (fbgemm's cache counts only those)
     Metric("hit_rate", "hit rate", True, _first("hit_rate", "unique_hit_rate")),
     Metric("auc", "AUC", True, _first("auc")),
+    Metric("logloss", "log-loss", False, _first("logloss")),
 ]
 
 

@@ -232,6 +232,10 @@ DELTA_COLUMNS = [
 ]
 
 
+#: metrics whose delta shows both values (an accuracy's change is read in its own units)
+_DELTA_VALUES = {"throughput": ",.0f", "auc": ".4f", "logloss": ".4f"}
+
+
 def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A") -> Grid:
     """One row per cell id: run B (the candidate) against run A (the baseline), signed
     relative deltas coloured green where better and red where worse."""
@@ -242,7 +246,7 @@ def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A
         if cell.deltas:
             for m in METRICS:
                 delta = cell.deltas.get(m.key)
-                row.cells[m.key] = _delta_text(delta, ",.0f" if m.key == "throughput" else None)
+                row.cells[m.key] = _delta_text(delta, _DELTA_VALUES.get(m.key))
                 row.sort[m.key] = delta.relative if delta else None
             row.cells["significant"] = _significance_text(cell.significance)
             row.sort["significant"] = cell.significance.p_value if cell.significance else None
