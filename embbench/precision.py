@@ -10,19 +10,26 @@ casts them where it computes in bfloat16 (MLPerf's DLRM trains its dense part so
   so there the record says ``dense_precision_effective: fp32``.
 - ``bf16``: the dense forward under ``torch.autocast(device, bfloat16)`` (CUDA and CPU); the
   logits come back as float32, so the loss and the evaluation compute in float32.
+
+``run.deterministic`` (a correctness check, not a timing): torch's deterministic algorithms for
+the cell. On CUDA float atomics (``index_add_``, the embedding backward) sum in any order, and a
+training amplifies a last-bit difference to ~1e-4 in log-loss (docs/measurement.md); with them,
+sums of repeated rows are sorted, so two exact strategies can train bit for bit alike.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from contextlib import contextmanager
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DENSE_PRECISIONS", "DensePrecision", "effective_precision", "matmul_precision", "scoped_to_the_cell",
-           "with_dense_precision"]
+__all__ = ["DENSE_PRECISIONS", "DensePrecision", "deterministic_algorithms", "effective_precision", "matmul_precision",
+           "scoped_to_the_cell", "with_dense_precision"]
 
 DensePrecision = Literal["fp32", "tf32", "bf16"]
 DENSE_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16")
@@ -50,13 +57,47 @@ def matmul_precision(requested: str, device: torch.device) -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
+@contextmanager
+def deterministic_algorithms(on: bool) -> Iterator[list[str]]:
+    """torch's deterministic algorithms while ``on`` (the process's setting restored after).
+    An operator that has none here does not stop the cell: torch warns and it runs as it is;
+    the list yielded names those operators when the block ends."""
+    nondeterministic: list[str] = []
+    if not on:
+        yield nondeterministic
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's reductions in a fixed order
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield nondeterministic
+        finally:
+            torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    for w in caught:  # torch's alert starts with the operator: "<op> does not have a deterministic implementation..."
+        text = str(w.message)
+        if "does not have a deterministic implementation" in text:
+            op = text.split(" does not have")[0]
+            if op not in nondeterministic:
+                nondeterministic.append(op)
+        else:  # the cell's other warnings, as they would have been shown
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def scoped_to_the_cell(run_cell):
-    """Run a cell (``run_cell(scenario, cell, env, ...)``) under its scenario's matmul precision."""
+    """Run a cell (``run_cell(scenario, cell, env, ...)``) under its scenario's matmul precision
+    and, with ``run.deterministic``, torch's deterministic algorithms (the record's
+    ``deterministic`` names the operators that had none)."""
 
     @functools.wraps(run_cell)
     def scoped(scenario, cell, env, *args, **kwargs):
-        with matmul_precision(scenario.run.dense_precision, env.device):
-            return run_cell(scenario, cell, env, *args, **kwargs)
+        with matmul_precision(scenario.run.dense_precision, env.device), \
+                deterministic_algorithms(scenario.run.deterministic) as nondeterministic:
+            metrics: dict[str, Any] = run_cell(scenario, cell, env, *args, **kwargs)
+        if scenario.run.deterministic:
+            metrics["deterministic"] = {"nondeterministic_ops": nondeterministic}
+        return metrics
 
     return scoped
 

@@ -205,6 +205,8 @@ class Metrics(TypedDict):
     ops_per_step: NotRequired[NonNegative]
     host_syncs_per_step: NotRequired[NonNegative | None]  # None: not counted (CPU)
     schedule: NotRequired[str]
+    # with run.deterministic: the operators that had no deterministic implementation (ran as they are)
+    deterministic: NotRequired[dict[str, list[str]]]
     profile: NotRequired[Profile | None]
     memory: Memory
     accuracy: NotRequired[Accuracy]

@@ -167,6 +167,10 @@ class RunConfig(_Strict):
     dense_precision: DensePrecision = Field(
         "fp32", description="the dense model's arithmetic: fp32, tf32 (CUDA matmuls) or bf16 (autocast); embeddings stay fp32")
 
+    deterministic: bool = Field(
+        False, description="torch's deterministic algorithms: on CUDA, sums in a fixed order, so an exact strategy "
+                           "trains bit for bit like the baseline; slower, for a correctness check, not a timing")
+
     row_precision: RowPrecision | list[RowPrecision] = Field(
         "fp32", description="the type embedding rows are stored in (device, cache, host): fp32, fp16, bf16 or fp8 "
                             "(E4M3, a float32 scale per row); a list: a cell for each")
@@ -265,8 +269,10 @@ class Scenario(_Strict):
         parameters), so adding a cell to a scenario keeps the cells already measured comparable
         and reusable (``--resume``), as ``recommend``'s "add this ratio, then run" suggests.
         ``run.row_precision`` is left out for the same reason (each cell names its own), which
-        also keeps the digests of scenarios written before it existed."""
-        config = self.model_dump(mode="json", exclude={"strategies": True, "run": {"row_precision"}})
+        also keeps the digests of scenarios written before it existed; ``run.deterministic`` is
+        left out where it is off, for the same reason."""
+        run_excluded = {"row_precision"} | (set() if self.run.deterministic else {"deterministic"})
+        config = self.model_dump(mode="json", exclude={"strategies": True, "run": run_excluded})
         canonical = json.dumps(config, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
 

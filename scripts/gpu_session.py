@@ -90,7 +90,10 @@ def priority_list() -> list[Item]:
                 # the same device cell again: what a second run of identical code moves (the GPU's
                 # noise floor, which "freqcache beats device" must clear)
                 Item("A/A: device again", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15-aa", ("device",),
-                     fresh=True, against="kaggle_alpha1.15")]
+                     fresh=True, against="kaggle_alpha1.15"),
+                # full size, sums in a fixed order: freqcache's losses must equal device's exactly
+                Item("exactness: freqcache against device, deterministic", MATRIX / "kaggle_exactness.yaml",
+                     "kaggle_exactness", fresh=True)]
     optional = []
     row_precision = MATRIX / "row_precision.yaml"  # the full Kaggle shape (scenarios/row_precision.yaml: CPU-sized)
     if row_precision.exists():

@@ -1,12 +1,16 @@
 """run.dense_precision: validated like every scenario key, recorded as asked and as computed,
-bf16 autocast around the dense model only (embeddings stay float32)."""
+bf16 autocast around the dense model only (embeddings stay float32); run.deterministic: torch's
+deterministic algorithms for the cell, and the operators that had none."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
-from embbench.precision import effective_precision, matmul_precision
+from embbench.launch import run_cells
+from embbench.precision import deterministic_algorithms, effective_precision, matmul_precision
 from embbench.scenario import ScenarioError, parse_scenario
 from tests.conftest import tiny_scenario, train_and_flush
 
@@ -47,3 +51,31 @@ def test_bf16_trains_the_dense_part_in_bfloat16_and_the_embeddings_in_float32(tm
     assert other_metrics["dense_precision_effective"] == "bf16"
     for a, b in zip(other, weights):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_deterministic_algorithms_are_scoped_and_name_the_operators_that_have_none():
+    before = torch.are_deterministic_algorithms_enabled()
+    with pytest.warns(UserWarning, match="a warning of the cell"):
+        with deterministic_algorithms(True) as nondeterministic:
+            assert torch.are_deterministic_algorithms_enabled()
+            torch.zeros(5).put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))  # put_ has no deterministic kernel
+            torch.zeros(5).put_(torch.tensor([2, 2]), torch.tensor([1.0, 2.0]))
+            warnings.warn("a warning of the cell")  # shown as it would have been
+    assert nondeterministic == ["put_"]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    with deterministic_algorithms(False) as nothing:
+        assert torch.are_deterministic_algorithms_enabled() == before
+    assert nothing == []
+
+
+def test_a_deterministic_run_records_it_and_keeps_other_scenarios_digests(tmp_path):
+    plain, _ = parse_scenario(tiny_scenario(), "test")
+    off, _ = parse_scenario(tiny_scenario(run={"deterministic": False}), "test")
+    on, cells = parse_scenario(tiny_scenario(run={"deterministic": True, "repeats": 1},
+                                             strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.05}}]),
+                               "test")
+    assert plain.digest() == off.digest() != on.digest()
+    device, cache = (r.metrics for r in run_cells(on, "test", cells, tmp_path))
+    assert device["deterministic"] == cache["deterministic"] == {"nondeterministic_ops": []}
+    assert cache["logloss_diff_vs_baseline"] == cache["train_loss_last10_diff_vs_baseline"] == 0.0
+    assert not torch.are_deterministic_algorithms_enabled()

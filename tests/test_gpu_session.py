@@ -10,11 +10,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_session  # noqa: E402
+from embbench.scenario import parse_scenario  # noqa: E402
 
 
 def _archived(out: Path) -> dict[str, str]:
@@ -66,5 +68,8 @@ def test_the_priority_list_starts_with_the_headline_and_names_existing_scenarios
     assert plan[0].startswith("headline: Kaggle shape, cache 1.5 %") and " 4 cells " in plan[0]
     assert plan[1].startswith("A/A: device again") and " 1 cells " in plan[1]
     assert items[1].against == items[0].run and items[1].fresh  # compared with the headline's device
-    assert plan[2].startswith("row precision") and "(row_precision.yaml)" in plan[2]
-    assert " 1 cells " in plan[3]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
+    assert plan[2].startswith("exactness: freqcache against device") and " 2 cells " in plan[2]
+    exactness, _ = parse_scenario(yaml.safe_load(items[2].scenario.read_text()), "x")
+    assert exactness.run.deterministic and items[2].fresh
+    assert plan[3].startswith("row precision") and "(row_precision.yaml)" in plan[3]
+    assert " 1 cells " in plan[4]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
