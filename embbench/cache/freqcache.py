@@ -177,13 +177,9 @@ class FreqCache(SparseModule):
                               "off: not on CUDA (compile: auto)" if params.compile == "auto" else "off: compile is false")
         self._captured: dict[str, CapturedStep] = {}
         self._eager_runs = dict.fromkeys(self._steps, 0)
-        # under deterministic algorithms CUDA's index_add_ becomes an index_put_ that checks its
-        # indices on the host: a sync, which no graph can hold
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        self._graphs_on = self.cuda and params.cuda_graph and not deterministic
+        self._graphs_on = self.cuda and params.cuda_graph
         self._graph_note = ("not captured yet" if self._graphs_on else
-                            "off: not on CUDA" if not self.cuda else "off: cuda_graph is false" if not params.cuda_graph
-                            else "off: deterministic algorithms (run.deterministic) sync in index_add_")
+                            "off: not on CUDA" if not self.cuda else "off: cuda_graph is false")
         self._graph_checked = False
         self._numbers: dict[int, tuple[Tensor, int]] = {}  # id(values) -> (values, window number)
         self._prefetched: _Prefetched | None = None
