@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     raw["run"].update(device="cpu", time_limit_s=36000, warmup_max_steps=None, compare_weights=False)
     if args.dense_lr is not None:
         raw["optimizer"]["dense"]["lr"] = args.dense_lr
-    raw["strategies"] = [{"name": "device"}]
+    raw["strategies"], raw["baseline"] = [{"name": "device"}], "device"
     plain, nudged = train_device(raw, 0.0), train_device(raw, args.nudge)
     for name, a in (("as it is", plain), (f"nudged {args.nudge:g}", nudged)):
         print(f"{name:>14}: loss first {a['train_loss_first']:.4f}, peak {a['train_loss_peak']:.4g} at step "
