@@ -146,6 +146,7 @@ def _main_module_hidden():
 
 
 def _kill(procs: list[Any]) -> None:
+    procs = [p for p in procs if p.pid is not None]  # one interrupted before it started has nothing to kill
     for p in procs:
         if p.exitcode is None:
             try:
@@ -227,11 +228,13 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                     if forked:
                         proc = ctx.Process(target=cell_process.rank_main, args=(str(spec_path), str(log), env, list(sys.path)),
                                            name=f"embbench-{cell.slug}-rank{rank}", daemon=False)
+                        # listed before it starts: a Ctrl-C that lands inside start() must still
+                        # kill it, or the exit would wait for it (multiprocessing joins its children)
+                        procs.append(proc)
                         with _main_module_hidden():
                             proc.start()
                     else:
-                        proc = _Interpreter(spec_path, log, dict(env, EMBBENCH_LAUNCHER_PID=str(os.getpid())))
-                    procs.append(proc)
+                        procs.append(_Interpreter(spec_path, log, dict(env, EMBBENCH_LAUNCHER_PID=str(os.getpid()))))
                 except OSError as e:  # out of processes or memory: this cell fails, the run goes on
                     return CellOutcome("error", f"cannot start rank {rank}: {e}", None)
             while any(p.exitcode is None for p in procs):

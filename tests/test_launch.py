@@ -112,3 +112,26 @@ def test_a_cuda_cell_runs_each_rank_in_a_fresh_interpreter(tmp_path, monkeypatch
     outcome = launch.run_isolated(scenario, "t.yaml", cells[0], tmp_path / "logs")
     assert outcome.status == "ok", outcome.message
     assert len(started) == 1  # one rank, started as an interpreter of its own
+
+
+def test_a_ctrl_c_inside_a_rank_s_start_still_kills_that_rank(monkeypatch, tmp_path):
+    """The interrupt can land after the rank was forked and before start() returns: the rank
+    must be killed all the same (multiprocessing would otherwise join it at exit: a hang)."""
+    import multiprocessing.process
+
+    from embbench import launch
+
+    started = []
+    real_start = multiprocessing.process.BaseProcess.start
+
+    def start_then_interrupt(self):
+        real_start(self)
+        if self.name.endswith("-rank0"):  # a rank's, not the cell server's own readiness probe
+            started.append(self)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_interrupt)
+    scenario, cells = parse_scenario(tiny_scenario(strategies=[{"name": "device"}]), "t.yaml")
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_isolated(scenario, "t.yaml", cells[0], tmp_path / "logs")
+    assert len(started) == 1 and started[0].exitcode is not None  # killed and reaped, not left running
