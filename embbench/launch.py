@@ -5,8 +5,8 @@ variables set: one process per device, gloo on the CPU, NCCL on GPUs) in a new p
 session. An exception, out-of-memory, a crash or a timeout becomes that cell's status; its
 processes are reaped, its record is written at once, and the next cell runs.
 
-On the CPU the processes are forked from one server that imported torch, fbgemm, torchrec and
-what every cell's record needs (scipy.stats, torchmetrics; ``_PRELOAD``) once for the whole run (multiprocessing's *forkserver*, started on the first cell, before any
+On the CPU the processes are forked from one server that imported torch, fbgemm and torchrec
+once for the whole run (multiprocessing's *forkserver*, started on the first cell, before any
 thread of this process could be inherited): a cell starts in a fraction of a second instead of
 paying the 4-5 s of those imports again. On CUDA each rank is a fresh interpreter, because a
 process forked after CUDA's driver was initialised (importing fbgemm_gpu does it) cannot use it. Each rank is still a process of
