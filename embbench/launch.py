@@ -64,10 +64,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: What the cell server imports once, so that no cell pays for it (scipy.stats for the intervals
-#: and torchmetrics for the AUC are imported by every cell's record: 2-3 s a rank otherwise; the
-#: server skips a module that cannot be imported, as on a --no-deps install).
-_PRELOAD = ["torch", "fbgemm_gpu", "torchrec", "scipy.stats", "torchmetrics", "embbench.runner", "embbench.cell_process"]
+#: What the cell server imports once, so that no cell pays for it.
+_PRELOAD = ["torch", "fbgemm_gpu", "torchrec", "embbench.runner", "embbench.cell_process"]
 
 
 _server_ready = False

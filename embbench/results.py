@@ -400,29 +400,16 @@ def _cpu_model(lscpu: str | None) -> str:
     return platform.processor() or platform.machine()
 
 
-def _collect_env() -> dict[str, Any]:
-    """The fields of ``torch.utils.collect_env``'s report that a record keeps, each from its own
-    probe: its ``get_env_info()`` also runs ``pip list`` (about a second of CPU in every run)
-    for packages a record lists from their metadata instead (:func:`relevant_packages`)."""
-    from torch.utils import collect_env
-
-    run = collect_env.run
-    return {"cuda_runtime_version": collect_env.get_running_cuda_version(run),
-            "nvidia_driver_version": collect_env.get_nvidia_driver_version(run),
-            "nvidia_gpu_models": collect_env.get_gpu_info(run), "os": collect_env.get_os(run),
-            "libc_version": collect_env.get_libc_version(), "gcc_version": collect_env.get_gcc_version(run),
-            "cpu_info": collect_env.get_cpu_info(run)}
-
-
 @functools.lru_cache(maxsize=1)
 def environment() -> dict[str, Any]:
     """Code, packages, toolchain and devices, once per process: torch's own
     ``torch.utils.collect_env`` for the system (driver, CUDA, GPUs, CPU), torch for each
     GPU's memory, package metadata for the versions."""
     import torch
+    from torch.utils import collect_env
 
     try:
-        env = _collect_env()
+        env = collect_env.get_env_info()._asdict()
         env_error = None
     except Exception as exc:  # an odd system must not cost the result
         env, env_error = {}, f"torch.utils.collect_env failed: {type(exc).__name__}: {exc}"

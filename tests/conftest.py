@@ -47,19 +47,6 @@ def train_and_flush(raw: dict, strategy: str, params: dict | None = None, tmp_pa
     return torch.load(weights), metrics
 
 
-def cli_here(capsys, *argv) -> tuple[int, str, str]:
-    """``embbench ARGV`` in this process (no interpreter start; cells fork from this process's
-    cell server): (exit status, stdout, stderr)."""
-    from embbench.cli import main
-
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse refusing a flag
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _install_plugin(site: Path, name: str, entry_points: dict[str, str], source: str, monkeypatch) -> None:
     """A package with ``embbench.strategies`` entry points (a dist-info on the path), as a
     third party installs one, visible to this process and the ones it starts."""

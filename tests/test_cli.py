@@ -1,5 +1,4 @@
-"""The command line, end to end, as a user runs it (each test's first command a process of its
-own; the commands after it run in this process, where they need no second interpreter start)."""
+"""The command line, end to end, as a user runs it."""
 
 import json
 import subprocess
@@ -9,7 +8,6 @@ from pathlib import Path
 import yaml
 
 from embbench.scenario import load_scenario
-from tests.conftest import cli_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +16,7 @@ def embbench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embbench.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path, capsys):
+def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path):
     out = tmp_path / "run"
     proc = embbench("run", "scenarios/smoke.yaml", "--steps", "3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -30,8 +28,8 @@ def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path, capsy
     data = json.loads(records[0].read_text())
     assert data["status"] == "ok" and data["provenance"]["versions"]["torch"]
     assert data["scenario"]["config"]["run"]["steps"] == 3
-    code, shown, _ = cli_here(capsys, "show", out)
-    assert code == 0 and "cpu@w1" in shown
+    shown = embbench("show", str(out))
+    assert shown.returncode == 0 and "cpu@w1" in shown.stdout
 
 
 def test_strategies_lists_the_installed_ones():
@@ -74,7 +72,7 @@ def _tsv_scenario_file(tmp_path: Path, data: dict, strategies: list[dict]) -> Pa
     return path
 
 
-def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path, capsys):
+def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
     data = write_fake_criteo(tmp_path / "train.txt", 3000, seed=2)
@@ -89,17 +87,16 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path, 
     assert list(cache.glob("files/train.txt-*/meta.json")), "the parsed file is kept in --data-cache"
 
     trace = tmp_path / "ids.npz"
-    code, _, err = cli_here(capsys, "trace", "record", scenario, "--out", trace, "--data-cache", cache)
-    assert code == 0, err
-    code, out, err = cli_here(capsys, "data", "check", trace)
-    assert code == 0 and "a valid trace" in out, err
+    proc = embbench("trace", "record", str(scenario), "--out", str(trace), "--data-cache", str(cache))
+    assert proc.returncode == 0, proc.stderr
+    checked = embbench("data", "check", str(trace))
+    assert checked.returncode == 0 and "a valid trace" in checked.stdout, checked.stderr
     replay = _tsv_scenario_file(tmp_path, {"source": "trace", "path": str(trace)}, [{"name": "device"}])
-    code, _, err = cli_here(capsys, "run", replay, "--out", tmp_path / "replay")
-    assert code == 0, err
-    assert len(list((tmp_path / "replay").glob("*.json"))) == 1
+    proc = embbench("run", str(replay), "--out", str(tmp_path / "replay"))
+    assert proc.returncode == 0, proc.stderr
 
 
-def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path, capsys):
+def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
     data = write_fake_criteo(tmp_path / "train.txt", 300, seed=2)
@@ -110,9 +107,9 @@ def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path, cap
     fields[20] = "12x"
     lines[41] = "\t".join(fields)
     data.write_text("".join(lines))
-    code, _, err = cli_here(capsys, "data", "check", data)
-    assert code == 2 and f"{data}:42: column 21 (C7): not a hexadecimal id: '12x'" in err
+    bad = embbench("data", "check", str(data))
+    assert bad.returncode == 2 and f"{data}:42: column 21 (C7): not a hexadecimal id: '12x'" in bad.stderr
     scenario = _tsv_scenario_file(tmp_path, {"source": "criteo_tsv", "path": str(data)}, [{"name": "device"}])
-    code, _, err = cli_here(capsys, "run", scenario, "--out", tmp_path / "run")
-    assert code == 2 and f"{data}:42: column 21" in err
+    proc = embbench("run", str(scenario), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2 and f"{data}:42: column 21" in proc.stderr
     assert not list((tmp_path / "run").glob("*.json"))

@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 from embbench.cache.curve import measure, min_hits, stack_hits, step_rows, to_csv
 from embbench.cache.sweep import freqcache_policy
 from embbench.metrics import belady_hit_rates
-from tests.conftest import cli_here as _cli
 
 
 def reference_belady(steps: list[torch.Tensor], capacity: int, skip: int = 0,
@@ -195,6 +194,18 @@ def _tiny_scenario(tmp_path, **data) -> "Path":
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``embbench ARGS`` in this process: (exit status, stdout, stderr)."""
+    from embbench.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse refusing a flag
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_curve_command_prints_the_table_and_writes_json_and_csv(tmp_path, capsys, monkeypatch):

@@ -23,7 +23,6 @@ from embbench.data import criteo
 from embbench.data.criteo import prepare_dataset
 from embbench.data.fake_criteo import write_fake_criteo
 from embbench.data.synthetic import Stream
-from tests.conftest import cli_here
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 1000
@@ -223,7 +222,7 @@ def _stamps(cache: Path) -> dict:
     return {str(p.relative_to(cache)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache.rglob("*")}
 
 
-def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path, capsys, monkeypatch):
+def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path):
     source = write_fake_criteo(tmp_path / "train.txt", 2000, seed=3)
     scenario = _scenario_file(tmp_path, source)
     prepared = _cli(tmp_path, "data", "prepare", str(scenario))
@@ -231,14 +230,13 @@ def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path, cap
     cache = tmp_path / "results" / "data-cache"
     before = _stamps(cache)
     assert any(name.endswith("manifest.json") for name in before)
-    monkeypatch.chdir(tmp_path)  # the run in this process, from where `data prepare` ran
-    code, _, err = cli_here(capsys, "run", scenario, "--steps", "3", "--quiet")
-    assert code == 0, err
+    proc = _cli(tmp_path, "run", str(scenario), "--steps", "3", "--quiet")
+    assert proc.returncode == 0, proc.stderr
     assert _stamps(cache) == before  # nothing parsed or built again, nothing added
     assert not list((tmp_path / "results").glob("runs/*/data-cache"))
 
 
-def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path, capsys):
+def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path):
     source = write_fake_criteo(tmp_path / "train.txt", 2000, seed=3)
     scenario = _scenario_file(tmp_path, source)
     cache = tmp_path / "cache"
@@ -246,10 +244,10 @@ def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path, ca
     source.unlink()
     labels = next(cache.glob("files/*/labels.npy"))
     os.truncate(labels, 2000)  # the probe: `ValueError: mmap length is greater than file size`, exit 0
-    code, _, err = cli_here(capsys, "run", scenario, "--data-cache", cache, "--out", tmp_path / "run")
-    assert code == 2, err
-    assert (f"error: data cache entry {labels.parent}: labels.npy is 2,000 bytes, manifest.json says" in err
-            and f"run `embbench data prepare {scenario} --data-cache {cache}`" in err), err
+    proc = _cli(tmp_path, "run", str(scenario), "--data-cache", str(cache), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert (f"error: data cache entry {labels.parent}: labels.npy is 2,000 bytes, manifest.json says" in proc.stderr
+            and f"run `embbench data prepare {scenario} --data-cache {cache}`" in proc.stderr), proc.stderr
     assert not list((tmp_path / "run").glob("*.json")), "no cell ran"
 
 

@@ -29,9 +29,7 @@ def test_the_rehearsal_runs_the_session_s_sequence_on_the_cpu_and_archives_each_
     """The CUDA tests (all skipped here, but every node must exist), the headline cells
     (device and freqcache run, uvm_cache's recorded unsupported), the ledger, the archive."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "SESSION_DIR": str(tmp_path / "work"), "PYTHON": sys.executable}
-    # 60 s: the CUDA tests start while 35 s are left, so the headline may take 25 s (about 7 s on
-    # 2 idle cores); the priority list after them runs until the budget is spent, asserted on by nobody.
-    run = subprocess.run(["bash", "scripts/gpu_session.sh", "--rehearse", "60"], cwd=ROOT, env=env,
+    run = subprocess.run(["bash", "scripts/gpu_session.sh", "--rehearse", "80"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ledger = (tmp_path / "out" / "ledger.txt").read_text()

@@ -28,7 +28,7 @@ from embbench.results import Record, RecordError, load_records, read_record, wri
 from embbench.runner import Diverged, _classify, run_cell
 from embbench.scenario import Cell, ScenarioError, load_scenario, parse_scenario
 from embbench.strategy import RuntimeEnv, broken_strategies, get_strategy, load_strategies
-from tests.conftest import _install_plugin, tiny_scenario, cli_here as _cli
+from tests.conftest import _install_plugin, tiny_scenario
 from tests.record_factory import make_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,12 @@ def _write(tmp_path: Path, raw, name: str = "s.yaml") -> Path:
     path = tmp_path / name
     path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
     return path
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def _one_clean_line(err: str) -> str:

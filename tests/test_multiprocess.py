@@ -83,13 +83,13 @@ def test_table_wise_plan_gives_every_rank_a_table_and_balances_the_large_ones():
 @pytest.mark.slow
 def test_criteo_8gpu_scenario_runs_on_eight_cpu_processes(tmp_path):
     """The shipped 8-GPU scenario, freqcache at one of its three cache ratios (each cell is
-    8 ranks on this machine's cores: one shows the scenario runs), at a CPU's scale: tables
-    (--scale) and global batch (16384 to 1024: 128 samples a rank) shrunk, its model as shipped."""
+    8 ranks on this machine's cores: one shows the scenario runs), at a CPU's scale."""
+    import yaml
+
     raw = yaml.safe_load((ROOT / "scenarios" / "criteo_8gpu.yaml").read_text())
     (freqcache,) = [s for s in raw["strategies"] if s["name"] == "freqcache"]
     assert 0.015 in freqcache["params"]["cache_ratio"]
     freqcache["params"]["cache_ratio"] = 0.015
-    raw["data"]["batch_size"] = 1024  # the dense layers' work per step is what took the time
     scenario = tmp_path / "criteo_8gpu.yaml"
     scenario.write_text(yaml.safe_dump(raw))
     out = tmp_path / "run"

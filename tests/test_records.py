@@ -21,10 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import embbench.launch as launch
+from embbench.cli import main
 from embbench.launch import CellOutcome, run_cells
 from embbench.results import RecordError, load_records, read_record, write_record
 from embbench.scenario import Cell, parse_scenario
-from tests.conftest import tiny_scenario, cli_here as _cli
+from tests.conftest import tiny_scenario
 from tests.record_factory import make_record, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL_RUN = ROOT / "results" / "2026-11-23-h100" / "smoke"
 #: file -> cell id
 REAL_CELLS = {"device@w1.json": "device@w1", "freqcache_cache_ratio=0.01,policy=lfu_@w1.json": "freqcache[cache_ratio=0.01,policy=lfu]@w1"}
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def _words(text: str) -> str:

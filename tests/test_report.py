@@ -13,7 +13,7 @@ import yaml
 from record_factory import make_record, write_run
 from rich.console import Console
 
-from conftest import cli_here, tiny_scenario
+from conftest import tiny_scenario
 from embbench.cli import main
 from embbench.progress import RunProgress
 from embbench.scenario import Cell
@@ -127,7 +127,7 @@ def test_on_a_terminal_the_phase_step_and_eta_are_shown():
 
 # -- run end to end ---------------------------------------------------------------------------
 
-def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(tmp_path, capsys):
+def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(tiny_scenario(strategies=[{"name": "device"}])))
     out = tmp_path / "run"
@@ -140,5 +140,6 @@ def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(t
     record = json.loads((out / "device@w1.json").read_text())
     assert record["metrics"]["profile"]["top_host"]
     assert record["provenance"]["versions"]["strategy"].startswith("embbench ")
-    _, shown, _ = cli_here(capsys, "show", out)
-    assert "device@w1: top operators by self host time" in shown
+    shown = subprocess.run([sys.executable, "-m", "embbench.cli", "show", str(out)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert "device@w1: top operators by self host time" in shown.stdout

@@ -18,8 +18,14 @@ from embbench.cli import main
 from embbench.launch import CellOutcome, run_cells
 from embbench.results import LOCK_FILE, RecordError, load_records, run_directory_lock, write_record
 from embbench.scenario import Cell, ScenarioError, cell_slug, parse_scenario
-from tests.conftest import _install_plugin, tiny_scenario, cli_here as _cli
+from tests.conftest import _install_plugin, tiny_scenario
 from tests.record_factory import make_record
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def _ok(cell: Cell, weights) -> CellOutcome:
