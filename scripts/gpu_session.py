@@ -87,6 +87,10 @@ def priority_list() -> list[Item]:
     """What a lent machine runs after the CUDA tests, most important first."""
     headline = [Item("headline: Kaggle shape, cache 1.5 %", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15",
                      fresh=True, profile=True),
+                # as H100 users train: the dense matmuls in TF32, where fp32's sgemm no longer hides
+                # the sparse part (issue 42)
+                Item("headline in TF32: dense matmuls in TF32", MATRIX / "kaggle_headline_tf32.yaml",
+                     "kaggle_headline_tf32", fresh=True, profile=True),
                 # the same device cell again: what a second run of identical code moves (the GPU's
                 # noise floor, which "freqcache beats device" must clear)
                 Item("A/A: device again", MATRIX / "kaggle_headline.yaml", "kaggle_alpha1.15-aa", ("device",),
@@ -381,10 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the seconds left (or --plan)")
     session = Session(args)
     session.archive()
-    # The headline first: a lease cut short still answers the question it was lent for; the CUDA
+    # The headlines first: a lease cut short still answers the question it was lent for; the CUDA
     # tests that say whether its numbers were made as intended (no host sync, graphs captured) next.
-    headline, *rest = priority_list()
-    for item in [headline, "CUDA tests", *rest]:
+    headline, headline_tf32, *rest = priority_list()
+    for item in [headline, headline_tf32, "CUDA tests", *rest]:
         if item == "CUDA tests":
             session.cuda_tests()
             continue

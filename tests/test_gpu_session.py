@@ -66,10 +66,13 @@ def test_the_priority_list_starts_with_the_headline_and_names_existing_scenarios
     assert all(item.scenario.exists() for item in items)
     plan = gpu_session.plan_text().splitlines()
     assert plan[0].startswith("headline: Kaggle shape, cache 1.5 %") and " 4 cells " in plan[0]
-    assert plan[1].startswith("A/A: device again") and " 1 cells " in plan[1]
-    assert items[1].against == items[0].run and items[1].fresh  # compared with the headline's device
-    assert plan[2].startswith("exactness: freqcache against device") and " 2 cells " in plan[2]
-    exactness, _ = parse_scenario(yaml.safe_load(items[2].scenario.read_text()), "x")
-    assert exactness.run.deterministic and items[2].fresh
-    assert plan[3].startswith("row precision") and "(row_precision.yaml)" in plan[3]
-    assert " 1 cells " in plan[4]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
+    assert plan[1].startswith("headline in TF32") and " 5 cells " in plan[1]
+    tf32, _ = parse_scenario(yaml.safe_load(items[1].scenario.read_text()), "x")
+    assert tf32.run.dense_precision == "tf32" and items[1].fresh and items[1].profile
+    assert plan[2].startswith("A/A: device again") and " 1 cells " in plan[2]
+    assert items[2].against == items[0].run and items[2].fresh  # compared with the headline's device
+    assert plan[3].startswith("exactness: freqcache against device") and " 2 cells " in plan[3]
+    exactness, _ = parse_scenario(yaml.safe_load(items[3].scenario.read_text()), "x")
+    assert exactness.run.deterministic and items[3].fresh
+    assert plan[4].startswith("row precision") and "(row_precision.yaml)" in plan[4]
+    assert " 1 cells " in plan[5]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
