@@ -122,6 +122,7 @@ class ColossalAICache(SparseModule):
         self.cache_weights = torch.zeros(c, dim, device=self.device)
         self.cache_state = torch.zeros(c, width, device=self.device)
         self.store = RowStore(self.cache_weights, self.cache_state, ctx.optimizer)
+        ctx.configure(self.store)
         self.slot_row = torch.full((c,), _EMPTY, dtype=torch.long, device=self.device)  # cached_idx_map
         self.row_slot = torch.full((n,), _EMPTY, dtype=torch.long, device=self.device)  # inverted_cached_idx
         self.slot_count = torch.full((c,), _NEVER, dtype=torch.long, device=self.device) if self.lfu else None
@@ -272,7 +273,7 @@ class ColossalAICache(SparseModule):
 
     def counters(self) -> dict[str, int]:
         misses = int(self._misses)
-        return {**self._counts, "misses": misses, "hits": self._counts["accesses"] - misses}
+        return {**self._counts, "misses": misses, "hits": self._counts["accesses"] - misses, **self.store.work_counters()}
 
     def memory(self) -> MemoryFootprint:
         device = sum(t.nbytes for t in (self.cache_weights, self.cache_state, self.slot_row, self.row_slot, self.idx_map))

@@ -143,6 +143,7 @@ class HostRows:
         weights = torch.empty(space.num_rows, space.dim)
         space.fill_initial(weights, ctx.init_weights)
         self.store = RowStore(weights, ctx.optimizer.new_state(space.num_rows, "cpu"), ctx.optimizer)
+        ctx.configure(self.store)
 
     def pooled(self, features: SparseFeatures) -> Tensor:
         features = features.to("cpu")
@@ -168,6 +169,7 @@ class HotColdTables(SparseModule):
         host_store = self.host.store
         self.hot_store = RowStore(host_store.weights[self.hot_rows].to(self.device),
                                   host_store.state[self.hot_rows].to(self.device), ctx.optimizer)
+        ctx.configure(self.hot_store)
         self.hot_slot = torch.full((self.space.num_rows,), -1, dtype=torch.int32, device=self.device)
         self.hot_slot[self.hot_rows.to(self.device)] = torch.arange(len(self.hot_rows), dtype=torch.int32, device=self.device)
         self.row_bytes = (self.space.dim + ctx.optimizer.state_width) * 4
@@ -219,7 +221,8 @@ class HotColdTables(SparseModule):
         return per_sample(pooled_lookup(self.hot_store, slots, features.offsets(), self.device), features)
 
     def counters(self) -> dict[str, int]:
-        return dict(self._counts)
+        work = [store.work_counters() for store in (self.host.store, self.hot_store)]
+        return {**self._counts, **{k: sum(w.get(k, 0) for w in work) for k in set().union(*work)}}
 
     def memory(self) -> MemoryFootprint:
         device = self.hot_store.weights.nbytes + self.hot_store.state.nbytes + self.hot_slot.nbytes

@@ -86,6 +86,7 @@ class MixCache(SparseModule):
         self.host_state = ctx.optimizer.new_state(n, "cpu", pin_memory=pinned)
         self.store = RowStore(torch.zeros(c, dim, device=self.device), torch.zeros(c, width, device=self.device),
                               ctx.optimizer)
+        ctx.configure(self.store)
 
         # The planner's state, on the host only (the device never sees it).
         self.slot_of_row = torch.full((n,), -1, dtype=torch.long)
@@ -279,7 +280,7 @@ class MixCache(SparseModule):
         if self._planner is not None:  # the step's ends waiting for the planner
             for name, value in self._planner.counters().items():
                 counts[name] += value
-        return counts
+        return {**counts, **self.store.work_counters()}
 
     def memory(self) -> MemoryFootprint:
         device = self.store.weights.nbytes + self.store.state.nbytes

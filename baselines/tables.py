@@ -42,7 +42,7 @@ class WholeTables(SparseModule):
         return per_sample(pooled_lookup(self.store, rows, features.offsets(), self.compute), features)
 
     def counters(self) -> dict[str, int]:
-        return {"accesses": self._accesses}
+        return {"accesses": self._accesses, **self.store.work_counters()}
 
     def memory(self) -> MemoryFootprint:
         return MemoryFootprint(device_bytes=self.store.nbytes)

@@ -12,9 +12,14 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer, aggregate_rows, aggregate_rows_padded
+from embbench.row_update import update_valid_rows
 from embbench.row_precision import RowType, row_type, uniform_keyed
 
-__all__ = ["RoundedRowStore", "RowSpace", "RowStore", "per_sample", "pooled_lookup", "stored_rows", "whole_store"]
+__all__ = ["RoundedRowStore", "RowSpace", "RowStore", "WORK_COUNTERS", "per_sample", "pooled_lookup", "stored_rows",
+           "whole_store"]
+
+#: What a store's updates cost, as counters (see embbench.strategy.COUNTERS).
+WORK_COUNTERS = ("update_entries", "update_entries_max_per_row", "ids_max_per_row")
 
 
 class RowSpace:
@@ -81,14 +86,19 @@ class RowStore:
     Subclasses (a cache) may override :meth:`apply_gradient` to do bookkeeping around it.
     """
 
-    #: How backward sums the gradients of repeated rows: True: at a fixed shape
-    #: (:func:`~embbench.optim.aggregate_rows_padded`), False: ``torch.unique``, None: fixed on
-    #: CUDA (where ``unique`` makes the host wait for the device every step), unique elsewhere
-    #: (fewer rows to update). Set it on a store to force one.
+    #: How backward sums the gradients of repeated rows (``run.sparse_backward``): True: at a
+    #: fixed shape (:func:`~embbench.optim.aggregate_rows_padded`), False: ``torch.unique``,
+    #: None: fixed on CUDA (where ``unique`` makes the host wait for the device every step),
+    #: unique elsewhere (fewer rows to update). Set it on a store to force one.
     padded_aggregation: bool | None = None
+    #: Whether a fixed-shape backward updates its rows with the Triton kernel that skips the
+    #: padding (:mod:`embbench.row_update`); None: where it runs compiled (CUDA with Triton) and
+    #: the rows are float32. True on a CPU runs it in Triton's interpreter (the tests).
+    update_kernel: bool | None = None
 
     def __init__(self, weights: Tensor, state: Tensor, optimizer: EmbeddingOptimizer):
         self.weights, self.state, self.optimizer = weights, state, optimizer
+        self._work: Tensor | None = None  # WORK_COUNTERS, summed over steps on the rows' device
 
     @property
     def nbytes(self) -> int:
@@ -107,19 +117,47 @@ class RowStore:
         padded = self.padded_aggregation
         if padded is None:
             padded = rows.device.type == "cuda"
-        if padded:
-            unique, summed, valid, inverse = aggregate_rows_padded(rows, grads)
-        else:
-            (unique, summed), valid = aggregate_rows(rows, grads), None
-            inverse = None if keys is None else torch.searchsorted(unique, rows)
-        if keys is not None:  # the key of each unique row: any of its ids' (a slot holds one row)
-            keys = torch.zeros_like(unique).scatter_(0, inverse, keys.to(unique.dtype))
-        self.update_rows(unique, summed, unique if keys is None else keys, valid)
+        if not padded:
+            unique, summed, inverse, ids = aggregate_rows(rows, grads)
+            keys = None if keys is None else torch.zeros_like(unique).scatter_(0, inverse, keys.to(unique.dtype))
+            self.update_rows(unique, summed, unique if keys is None else keys, None)
+            self._count(len(unique), int(len(unique) > 0), ids.max() if len(ids) else 0)
+            return
+        agg = aggregate_rows_padded(rows, grads)
+        if self._kernel_updates(rows.device):
+            update_valid_rows(self.optimizer, self.weights, self.state, agg.rows, agg.grads, agg.distinct)
+            self._count(agg.distinct, 1, agg.ids_max_per_row)
+            return
+        if keys is not None:  # the key of each row: any of its ids' (a slot holds one row)
+            keys = torch.zeros_like(agg.rows).scatter_(0, agg.inverse, keys.to(agg.rows.dtype))
+        self.update_rows(agg.rows, agg.grads, agg.rows if keys is None else keys, agg.owner)
+        # the padding repeats each row once per further id: as many entries on a row as it had ids
+        self._count(len(agg.rows), agg.ids_max_per_row, agg.ids_max_per_row)
 
-    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, valid: Tensor | None = None) -> None:
-        """The optimizer step of ``rows`` with their summed gradients: unique rows, or those
-        of :func:`~embbench.optim.aggregate_rows_padded` (``valid``: False on its padding)."""
+    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, owner: Tensor | None = None) -> None:
+        """The optimizer step of ``rows`` with their summed gradients: unique rows, or the
+        entries of :func:`~embbench.optim.aggregate_rows_padded` (``owner``: the entry whose
+        gradient each entry's row got; a padding entry's is +0.0)."""
         self.optimizer.update(self.weights, self.state, rows, grad)
+
+    def _kernel_updates(self, device: torch.device) -> bool:
+        if self.update_kernel is not None:
+            return self.update_kernel
+        from embbench.cache.row_copy import triton_problem  # (embbench.cache imports this module)
+
+        return type(self) is RowStore and self.weights.dtype == torch.float32 and triton_problem(device) is None
+
+    def _count(self, entries, entries_max_per_row, ids_max_per_row) -> None:
+        """Add one step's work to the counters, on the device (never read there)."""
+        step = torch.stack([torch.as_tensor(x, device=self.weights.device).reshape(()).long()
+                            for x in (entries, entries_max_per_row, ids_max_per_row)])
+        self._work = step if self._work is None else self._work + step
+
+    def work_counters(self) -> dict[str, int]:
+        """The update's work since the store was made (reads the device: not for a step)."""
+        if self._work is None:
+            return {}
+        return dict(zip(WORK_COUNTERS, self._work.tolist()))
 
 
 class RoundedRowStore(RowStore):
@@ -151,16 +189,15 @@ class RoundedRowStore(RowStore):
         ids = torch.arange(rows.numel(), device=rows.device)
         return torch.nn.functional.embedding_bag(ids, self.rows32(rows), offsets, mode="sum", include_last_offset=True)
 
-    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, valid: Tensor | None = None) -> None:
+    def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, owner: Tensor | None = None) -> None:
         weights, state = self.rows32(rows), self.state[rows]
         local = torch.arange(rows.numel(), device=rows.device)
         self.optimizer.update(weights, state, local, grad)
         uniform = uniform_keyed(self.seed, self.updates, keys, weights.shape[1])
         self.updates += 1
         stored, scale = self.kind.encode(weights, uniform)
-        if valid is not None:  # padding repeats row 0 (the same row): write row 0's values there too
-            stored, state, scale = (x if x is None else torch.where(valid[:, None], x, x[:1])
-                                    for x in (stored, state, scale))
+        if owner is not None:  # a padding entry repeats a row: it writes that row's new values too
+            stored, state, scale = (x if x is None else x[owner] for x in (stored, state, scale))
         self.weights[rows] = stored
         self.state[rows] = state
         if scale is not None:
@@ -174,11 +211,14 @@ def whole_store(space: RowSpace, ctx, device: torch.device) -> RowStore:
     if kind.exact:
         weights = torch.empty(n, space.dim, device=device)
         space.fill_initial(weights, ctx.init_weights)
-        return RowStore(weights, ctx.optimizer.new_state(n, device), ctx.optimizer)
-    weights = torch.empty(n, space.dim, dtype=kind.carrier, device=device)
-    extras = torch.zeros(n, kind.extras(ctx.optimizer.state_width), device=device)
-    space.fill_initial(weights, ctx.init_weights, kind=kind, scales=extras[:, :1])
-    return RoundedRowStore(weights, extras, ctx.optimizer, kind, ctx.seed)
+        store = RowStore(weights, ctx.optimizer.new_state(n, device), ctx.optimizer)
+    else:
+        weights = torch.empty(n, space.dim, dtype=kind.carrier, device=device)
+        extras = torch.zeros(n, kind.extras(ctx.optimizer.state_width), device=device)
+        space.fill_initial(weights, ctx.init_weights, kind=kind, scales=extras[:, :1])
+        store = RoundedRowStore(weights, extras, ctx.optimizer, kind, ctx.seed)
+    ctx.configure(store)
+    return store
 
 
 def stored_rows(store: RowStore) -> Tensor:

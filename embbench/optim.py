@@ -8,11 +8,13 @@ first and each row is updated once per step.
 Two aggregations give the same sums: :func:`aggregate_rows` (``torch.unique``: as many rows as
 are distinct, a size the host must read: a sync on CUDA) and :func:`aggregate_rows_padded`
 (a fixed shape, one entry per id, padded with zero gradients: no sync). The optimizer step is
-written so that a padding entry changes nothing.
+written so that a padding entry changes nothing; on CUDA an update kernel skips the padding
+(:mod:`embbench.row_update`), so that a step costs its distinct rows, not its ids.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from embbench.bounds import Config
 
-__all__ = ["EmbeddingOptimizer", "DenseOptimizer", "aggregate_rows", "aggregate_rows_padded"]
+__all__ = ["EmbeddingOptimizer", "DenseOptimizer", "PaddedRows", "aggregate_rows", "aggregate_rows_padded"]
 
 
 class EmbeddingOptimizer(Config):
@@ -50,7 +52,8 @@ class EmbeddingOptimizer(Config):
             weights: ``[R, D]`` rows (a full table, or a cache).
             state: ``[R, state_width]`` optimizer state aligned with ``weights``.
             rows: row indices into ``weights``, unique except for entries whose gradient is
-                exactly zero (the padding of :func:`aggregate_rows_padded`).
+                exactly zero (the padding of :func:`aggregate_rows_padded`, never more entries
+                on a row than it had ids).
             grad: ``[len(rows), D]`` summed gradient of each row.
         """
         # Only additions (index_add_), so that a zero-gradient entry adds +0.0 to the state and
@@ -76,33 +79,51 @@ class DenseOptimizer(Config):
         return cls(params, lr=self.lr)
 
 
-def aggregate_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum the gradient rows that share an index: ``(unique rows, summed gradients)``."""
-    unique, inverse = torch.unique(rows, return_inverse=True)
+def aggregate_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sum the gradient rows that share an index: ``(unique rows, summed gradients, each id's
+    entry, ids per unique row)``."""
+    unique, inverse, ids = torch.unique(rows, return_inverse=True, return_counts=True)
     summed = grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
-    return unique, summed
+    return unique, summed, inverse, ids
 
 
-def aggregate_rows_padded(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@dataclass
+class PaddedRows:
+    """The row gradients of one backward summed at a fixed shape (one entry per id), as
+    :func:`aggregate_rows_padded` returns them. Entries ``0..k-1`` hold the k distinct rows in
+    ascending order with their summed gradients; entries ``k..`` are padding: each row again,
+    once per further id it has, with a gradient of exactly +0.0. So no row is aimed at by more
+    entries than it has ids (one row named by all the padding was a hot spot of ~374k
+    same-address atomics a step at the Kaggle shape, and under deterministic algorithms a
+    serial walk of CUDA's sorted ``index_put_``: 322 ms a step on an H100)."""
+
+    rows: Tensor  #: [n] the entries' rows
+    grads: Tensor  #: [n, D] their summed gradients (+0.0 on padding)
+    valid: Tensor  #: [n] bool: the first k entries
+    inverse: Tensor  #: [n] each id's entry, as ``torch.unique`` returns it
+    owner: Tensor  #: [n] the valid entry of each entry's row (itself on the first k)
+    distinct: Tensor  #: 0-dim: k, on the rows' device
+    ids_max_per_row: Tensor  #: 0-dim: the most ids on one row
+
+
+def aggregate_rows_padded(rows: Tensor, grads: Tensor) -> PaddedRows:
     """:func:`aggregate_rows` at a fixed shape, with no operation whose output size depends
-    on the values (on CUDA: no host sync).
-
-    Returns:
-        ``(unique, summed, valid, inverse)``, the first three of length ``len(rows)``: entries
-        ``0..k-1`` hold the k distinct rows in ascending order with their summed gradients;
-        entries ``k..`` are padding (row ``unique[0]``, gradient exactly zero, ``valid``
-        False). ``inverse``: the entry of each id's row, as ``torch.unique`` returns it.
-        Each row's gradients are summed in the order of ``rows``, as :func:`aggregate_rows`
-        sums them: the same floats on the CPU.
-    """
+    on the values (on CUDA: no host sync). Each row's gradients are summed in the order of
+    ``rows``, as :func:`aggregate_rows` sums them: the same floats on the CPU."""
     n = rows.numel()
+    position = torch.arange(n, device=rows.device)
     ordered, order = torch.sort(rows, stable=True)
     starts = torch.ones(n, dtype=torch.bool, device=rows.device)
     starts[1:] = ordered[1:] != ordered[:-1]
-    entry_of_sorted = torch.cumsum(starts, 0) - 1
-    inverse = torch.empty_like(entry_of_sorted).scatter_(0, order, entry_of_sorted)
+    group = torch.cumsum(starts, 0) - 1  # each sorted id's row, numbered in ascending order
+    distinct = starts.sum()
+    # a run's first id names its row's entry; the others take the padding entries in order
+    # (before sorted position p lie p - group[p] - 1 ids that are not their run's first)
+    entry = torch.where(starts, group, distinct + position - group - 1)
+    inverse = torch.empty_like(group).scatter_(0, order, group)
     summed = grads.new_zeros(n, grads.shape[1]).index_add_(0, inverse, grads)
-    # every id writes its row to its entry (the same value for all ids of a row)
-    unique = ordered[:1].expand(n).clone().scatter_(0, entry_of_sorted, ordered)
-    valid = torch.arange(n, device=rows.device) < starts.sum()
-    return unique, summed, valid, inverse
+    run_start = torch.cummax(torch.where(starts, position, 0), 0).values
+    return PaddedRows(rows=torch.empty_like(ordered).scatter_(0, entry, ordered), grads=summed,
+                      valid=position < distinct, inverse=inverse,
+                      owner=torch.empty_like(group).scatter_(0, entry, group), distinct=distinct,
+                      ids_max_per_row=(position - run_start + 1).max() if n else position.new_zeros(()))

@@ -193,6 +193,7 @@ class Metrics(TypedDict):
     warmup_steps_run: NotRequired[Count]  # absent before warm-up could run on: then warmup_steps
     trained_steps: NotRequired[PositiveCount]  # before the evaluation (absent in older records)
     warmup_miss_rates: NotRequired[list[Rate | None]]
+    empty_slots_at_timing: NotRequired[Count]  # a cache's slots still empty when timing started (this rank)
     build_seconds: NotRequired[NonNegative]
     step_time_s: StepTimes
     throughput: Throughput

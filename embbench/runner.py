@@ -210,7 +210,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
         train_batches=lambda n: (stream.fresh(i) for i in range(n)),
         warmup_steps=run.warmup_steps, process_group=process_group, train_steps=train_steps,
-        row_precision=cell.row_precision, seed=run.seed,
+        row_precision=cell.row_precision, seed=run.seed, sparse_backward=run.sparse_backward,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)
@@ -235,26 +235,46 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
 class _WarmUp:
     steps_run: int
     miss_rates: list[float | None]
+    #: device slots the cache had not filled when timing started (None: not a cache that says)
+    empty_slots: int | None = None
 
 
 def _warm_up(training: _Training, report: "_Progress") -> _WarmUp:
-    """``warmup_steps`` steps; with ``warmup_max_steps``, on until the miss rate stops falling."""
+    """``warmup_steps`` steps; with ``warmup_max_steps``, on until the miss rate stops falling
+    and the cache's empty slots stop filling (while they fill it loads without evicting:
+    cheaper than its steady state). Every rank stops at the same step."""
     run, sparse = training.run, training.sparse
     losses: list[torch.Tensor] = []
     window_rates: list[float | None] = []
+    window_empty: list[int | None] = []
     window_start = sparse.counters()
     while training.step_index < run.warmup_bound:
         step = training.step_index
-        if step >= run.warmup_steps and step % _WARMUP_WINDOW == 0 and warmed_up(window_rates):
+        if step >= run.warmup_steps and step % _WARMUP_WINDOW == 0 and _steady(training, window_rates, window_empty):
             break
         report("warmup", step, run.warmup_bound)
         losses.append(training.timed_step()[1])
         if run.warmup_max_steps and training.step_index % _WARMUP_WINDOW == 0:
             now = sparse.counters()
             window_rates.append(miss_rate(window_start, now))
+            window_empty.append(sparse.empty_slots())
             window_start = now
     _check_finite(losses, 0)
-    return _WarmUp(training.step_index, window_rates)
+    return _WarmUp(training.step_index, window_rates, sparse.empty_slots())
+
+
+def _steady(training: _Training, window_rates: list[float | None], window_empty: list[int | None]) -> bool:
+    """Whether the warm-up may end here, on every rank (each sees its own tables): the miss
+    rate is steady, and the empty slots are none or no fewer than a window before (rows that
+    never come leave some empty at small scales)."""
+    filling = len(window_empty) >= 1 and bool(window_empty[-1]) and (
+        len(window_empty) < 2 or window_empty[-2] is None or window_empty[-1] < window_empty[-2])
+    steady = warmed_up(window_rates) and not filling
+    if training.process_group is None:
+        return steady
+    agreed = torch.tensor(int(steady), device=training.env.device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=training.process_group)
+    return bool(agreed)
 
 
 # --- time ---------------------------------------------------------------------------------------
@@ -467,6 +487,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         # every step trained before the evaluation: the same for every cell of a scenario (_catch_up)
         "trained_steps": training.step_index,
         "warmup_miss_rates": warmup.miss_rates,
+        **({} if warmup.empty_slots is None else {"empty_slots_at_timing": warmup.empty_slots}),
         "build_seconds": training.build_seconds,
         "step_time_s": step_time,
         "throughput": throughput,

@@ -171,6 +171,11 @@ class RunConfig(_Strict):
         False, description="torch's deterministic algorithms: on CUDA, sums in a fixed order, so an exact strategy "
                            "trains bit for bit like the baseline; slower, for a correctness check, not a timing")
 
+    sparse_backward: Literal["auto", "padded", "unique"] = Field(
+        "auto", description="how strategies that update rows themselves sum a batch's row gradients: padded (a fixed "
+                            "shape, no host sync; on CUDA a kernel updates only the distinct rows), unique "
+                            "(torch.unique: a host sync on CUDA) or auto (padded on CUDA, unique elsewhere)")
+
     row_precision: RowPrecision | list[RowPrecision] = Field(
         "fp32", description="the type embedding rows are stored in (device, cache, host): fp32, fp16, bf16 or fp8 "
                             "(E4M3, a float32 scale per row); a list: a cell for each")
@@ -270,8 +275,9 @@ class Scenario(_Strict):
         and reusable (``--resume``), as ``recommend``'s "add this ratio, then run" suggests.
         ``run.row_precision`` is left out for the same reason (each cell names its own), which
         also keeps the digests of scenarios written before it existed; ``run.deterministic`` is
-        left out where it is off, for the same reason."""
-        run_excluded = {"row_precision"} | (set() if self.run.deterministic else {"deterministic"})
+        left out where it is off, and ``run.sparse_backward`` where it is ``auto``, for the same reason."""
+        run_excluded = ({"row_precision"} | (set() if self.run.deterministic else {"deterministic"})
+                        | (set() if self.run.sparse_backward != "auto" else {"sparse_backward"}))
         config = self.model_dump(mode="json", exclude={"strategies": True, "run": run_excluded})
         canonical = json.dumps(config, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()

@@ -46,6 +46,9 @@ COUNTERS = {
     "rows_written_back": "evicted or flushed rows that were updated, copied back to the host",
     "rows_moved_late": "cached rows evicted from a slot the running step still used: moved once it had ended",
     "window_pairs_dropped": "look-ahead (row, batch) pairs that did not fit the window (costs hits, never correctness)",
+    "update_entries": "entries the embedding optimizer's update processed, padding included",
+    "update_entries_max_per_row": "the most update entries aimed at one row in a step, summed over steps",
+    "ids_max_per_row": "the most ids of a step's batch on one row, summed over steps",
     "bytes_h2d": "bytes moved host -> device (rows, state, pooled embeddings)",
     "bytes_d2h": "bytes moved device -> host (rows, state, ids, gradients)",
     "bytes_comm": "bytes this rank sent to other ranks (ids, pooled rows, their gradients)",
@@ -126,6 +129,8 @@ class BuildContext:
             bf16, fp8; see :mod:`embbench.row_precision`); only ever one the strategy accepted
             (:meth:`Strategy.row_precision_reason`).
         seed: the scenario's seed (for a strategy's own random streams, e.g. stochastic rounding).
+        sparse_backward: ``run.sparse_backward`` (auto, padded, unique): how a store built from
+            :mod:`embbench.embedding` sums its row gradients; applied by :meth:`configure`.
     """
 
     tables: list[TableSpec]
@@ -139,6 +144,12 @@ class BuildContext:
     train_steps: int | None = None
     row_precision: str = "fp32"
     seed: int = 0
+    sparse_backward: str = "auto"
+
+    def configure(self, store) -> None:
+        """Apply ``run.sparse_backward`` to an :class:`~embbench.embedding.RowStore` the
+        strategy built (auto leaves the store's own choice: padded on CUDA)."""
+        store.padded_aggregation = {"auto": None, "padded": True, "unique": False}[self.sparse_backward]
 
 
 @dataclass
@@ -217,6 +228,12 @@ class SparseModule(torch.nn.Module, abc.ABC):
     def counters(self) -> dict[str, int]:
         """Cumulative counters; names from :data:`COUNTERS`."""
         return {}
+
+    def empty_slots(self) -> int | None:
+        """Device slots a cache has not filled yet (None: not a cache that says). A cache with
+        empty slots loads without evicting, which its steady state does not: the warm-up goes
+        on while any remain (within ``run.warmup_max_steps``). Reads the device: not in a step."""
+        return None
 
     @abc.abstractmethod
     def memory(self) -> MemoryFootprint: ...

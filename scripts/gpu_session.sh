@@ -10,7 +10,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 started=$(date +%s)
-python=${PYTHON:-python3}
+# the project's environment where it exists (the rehearsal here); the GPU machine has none
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=${PYTHON:-python3}; fi
 export OUT=${OUT:-/tmp/gpu_session_out}
 # Compilation is paid once per shape on this machine: every cell's processes share inductor's cache.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/embbench-inductor}

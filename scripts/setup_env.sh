@@ -71,6 +71,11 @@ pip_shown --no-deps "torchrec==$release.*"
 # pip's resolver complains that torchrec wants fbgemm-gpu: fbgemm-gpu-cpu provides it on a CPU machine.
 step 5 "installing embbench (editable) with its dependencies and the test tools"
 pip_shown -e "$root[test]" "torch==$torch_version"
+# A CPU build of torch brings no triton: the tests run freqcache's Triton kernels in its interpreter.
+if [ "$torch_flavour" = cpu ] && ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
+    echo "setup_env: [5/5] installing triton (about 0.3 GB): the tests run the Triton kernels in its interpreter" >&2
+    pip_shown "triton>=3.7" "torch==$torch_version"
+fi
 
 "$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, embbench, rich, yaml, pydantic, pytest, hypothesis, pytest_benchmark, selenium" \
     || { echo "setup_env: the environment does not import; see the errors above" >&2; exit 1; }

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import os
 import textwrap
 from pathlib import Path
 
-import pytest
-import torch
+
+def _has_cuda_driver() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+# Without a GPU, Triton runs only in its interpreter; it must be chosen before triton is first
+# imported (its library functions, tl.sum among them, are built then), so before torch.
+if not _has_cuda_driver():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from embbench.runner import run_cell
 from embbench.scenario import Cell, parse_scenario

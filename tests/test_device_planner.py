@@ -369,3 +369,62 @@ def test_a_wrapped_sketch_counter_costs_policy_never_a_misplaced_row():
         assert torch.equal(planner.slot_row[plan.slots].long(), batches[i]), "an id's slot does not hold its row"
 
     _drive(planner, batches, range(len(batches)), {}, each=check)
+
+
+@pytest.mark.slow  # compiles the plan step with inductor on the CPU (about a minute on 2 cores)
+def test_the_compiled_plan_step_falls_back_to_no_accumulating_aten_scatter():
+    """inductor sends int64 (and bool) accumulating scatters to ATen's sorted ``index_put_``
+    (a sort and a serial pass per duplicate on CUDA: 1.2 ms of an H100 step, and a host read
+    on builds that bounds-check it): the compiled plan must hold none (issue 42, item 3).
+    int32 counters as on CUDA (no decay: the CPU's 16-bit sketch is not what CUDA compiles)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from embbench.cache.device_planner import StepKind
+
+    batches = _zipf_batches(2000, 256, 6)
+    planner = DevicePlanner(2000, 100, 256, 2, CPU, decay_every=0)
+    assert planner.sketch.dtype == torch.int32
+    running = _drive(planner, batches, range(3), {})
+    steady = StepKind(keeps_running=True, number="next")
+    planner.enter(batches[4])
+
+    def step(rows):
+        plan = planner.device_step(rows, True, steady)
+        return plan.slots, plan.write_back_slots, plan.write_back_rows, plan.load_slots, plan.load_rows, plan.late
+
+    assert running is not None
+    _, code = run_and_get_code(torch.compile(step, dynamic=False, fullgraph=True), batches[3])
+    calls = {name for text in code for line in text.splitlines() if not line.lstrip().startswith("#")
+             for name in re.findall(r"\baten\.(\w+)\.?\w*\(", line)}
+    assert calls, "no ATen call found: the generated code's form changed, update this test"
+    assert not calls & {"index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_", "scatter_add"}, calls
+
+
+class _AccumulateTargets(TorchDispatchMode):
+    """The most entries of one accumulating scatter (index_add_) aimed at one address."""
+
+    def __init__(self):
+        super().__init__()
+        self.most: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index_add_.default:
+            target, index = args[0], args[2]
+            name = f"{target.dtype} [{target.numel()}]"
+            if index.numel():
+                self.most[name] = max(self.most.get(name, 0), int(torch.unique(index, return_counts=True)[1].max()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mostly_padded_plan_aims_no_accumulating_add_at_one_address():
+    """A short batch is padded to max_ids; its padding must not pile its (zero) adds on one
+    counter: the sink's frequency or the dummy row's sketch cells (issue 42, item 6: ~383k
+    same-address atomics a step at the Kaggle shape)."""
+    batches = _zipf_batches(5000, 512, 4)
+    planner = DevicePlanner(5000, 100, 512, 2, CPU, decay_every=0)
+    running = _drive(planner, batches, range(3), {})
+    with _AccumulateTargets() as adds:
+        planner.plan(batches[3][:40], train=True, running=running)  # 472 padding entries
+    assert adds.most and max(adds.most.values()) <= 16, adds.most  # hash collisions only

@@ -71,8 +71,26 @@ def test_the_priority_list_starts_with_the_headline_and_names_existing_scenarios
     assert tf32.run.dense_precision == "tf32" and items[1].fresh and items[1].profile
     assert plan[2].startswith("A/A: device again") and " 1 cells " in plan[2]
     assert items[2].against == items[0].run and items[2].fresh  # compared with the headline's device
-    assert plan[3].startswith("exactness: freqcache against device") and " 2 cells " in plan[3]
-    exactness, _ = parse_scenario(yaml.safe_load(items[3].scenario.read_text()), "x")
-    assert exactness.run.deterministic and items[3].fresh
-    assert plan[4].startswith("row precision") and "(row_precision.yaml)" in plan[4]
-    assert " 1 cells " in plan[5]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
+    for line, item, way in ((plan[3], items[3], "padded"), (plan[4], items[4], "unique")):
+        assert line.startswith(f"device, sparse_backward {way}") and " 1 cells " in line
+        assert parse_scenario(gpu_session._raw(item), "x")[0].run.sparse_backward == way
+    assert len({items[1].run, items[3].run, items[4].run}) == 3  # another digest, another folder
+    assert plan[5].startswith("exactness: freqcache against device") and " 2 cells " in plan[5]
+    exactness, _ = parse_scenario(yaml.safe_load(items[5].scenario.read_text()), "x")
+    assert exactness.run.deterministic and items[5].fresh
+    assert plan[6].startswith("exactness A/A") and items[6].against == items[5].run
+    assert plan[7].startswith("row precision") and "(row_precision.yaml)" in plan[7]
+    assert " 1 cells " in plan[8]  # the 1.5 % caches of kaggle_alpha1.15 the headline left: uvm_cache lfu
+
+
+def test_a_second_call_of_a_session_does_not_run_the_cuda_tests_again(tmp_path):
+    """On 2026-11-28 the second call on the warm machine ran them again: 39 s of a lease."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "cuda_tests.txt").write_text("....\n15 passed, 11 deselected in 46.04s\n")
+    args = gpu_session.argparse.Namespace(rehearse=True, work=str(work), out=str(tmp_path / "out"), seconds=100.0,
+                                          spent=0.0, install_note="")
+    session = gpu_session.Session(args)
+    session.cuda_tests()
+    (line,) = [entry for entry in session.ledger.lines if entry[0] == "CUDA tests"]
+    assert line[2] == 0 and line[3] == "ran earlier in this session: 15 passed, 11 deselected in 46.04s"

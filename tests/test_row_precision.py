@@ -49,8 +49,9 @@ def test_a_row_moved_to_the_cache_and_back_keeps_its_bytes_scale_and_state(preci
     extras[:, -1] = torch.arange(len(extras), dtype=torch.float32)  # an optimizer state to carry along
     before = cache.host[7].clone()
     sink, pad = torch.tensor([cache.planner.sink]), torch.tensor([cache.planner.pad_row])
-    cache._move(sink, pad, torch.tensor([3]), torch.tensor([7]))  # host row 7 into slot 3
-    cache._move(torch.tensor([3]), torch.tensor([11]), sink, pad)  # slot 3 out to host row 11
+    early, live = torch.tensor([False]), torch.tensor(1)  # one early move
+    cache._move(sink, pad, torch.tensor([3]), torch.tensor([7]), early, live, late_part=False)  # host row 7 into slot 3
+    cache._move(torch.tensor([3]), torch.tensor([11]), sink, pad, early, live, late_part=False)  # slot 3 out to row 11
     assert torch.equal(cache.host[11], before)
     # the stored row decodes to its initial weights within the type's rounding (fp8 through its scale)
     initial = initial_weights(TableSpec("t0", 40, dim, 1, 1.0), 0, 0, 7, 8) * 1000

@@ -26,19 +26,24 @@ OPTIMIZERS = ["sgd", "rowwise_adagrad"]
     dim=st.integers(1, 5),
     seed=st.integers(0, 2**16),
 )
-def test_the_padded_aggregation_is_the_unique_one_then_zero_padding(rows, dim, seed):
+def test_the_padded_aggregation_is_the_unique_one_then_padding_that_mirrors_each_row_s_ids(rows, dim, seed):
+    """Entries 0..k-1 are torch.unique's rows and sums; the padding names each row once per
+    further id it has (never one row for all: issue 42's hot spot), with +0.0 gradients."""
     rows = torch.tensor(rows, dtype=torch.long)
     grads = torch.randn(len(rows), dim, generator=torch.Generator().manual_seed(seed))
-    unique, summed = aggregate_rows(rows, grads)
-    padded, padded_sums, valid, inverse = aggregate_rows_padded(rows, grads)
+    unique, summed, _, ids = aggregate_rows(rows, grads)
+    agg = aggregate_rows_padded(rows, grads)
     k = len(unique)
-    assert padded.shape == rows.shape and padded_sums.shape == grads.shape and valid.shape == rows.shape
-    assert torch.equal(valid, torch.arange(len(rows)) < k)
-    assert torch.equal(padded[:k], unique) and torch.equal(padded_sums[:k], summed)
-    assert torch.equal(padded[k:], unique[:1].expand(len(rows) - k))
-    assert torch.equal(padded_sums[k:], torch.zeros(len(rows) - k, dim))
-    assert not padded_sums[k:].signbit().any()  # +0.0: adds nothing to any weight or state
-    assert torch.equal(padded[inverse], rows)
+    assert agg.rows.shape == rows.shape and agg.grads.shape == grads.shape and agg.valid.shape == rows.shape
+    assert int(agg.distinct) == k and torch.equal(agg.valid, torch.arange(len(rows)) < k)
+    assert torch.equal(agg.rows[:k], unique) and torch.equal(agg.grads[:k], summed)
+    entries, per_row = torch.unique(agg.rows, return_counts=True)
+    assert torch.equal(entries, unique) and torch.equal(per_row, ids), "a row's entries are not its ids"
+    assert int(agg.ids_max_per_row) == int(ids.max())
+    assert torch.equal(agg.grads[k:], torch.zeros(len(rows) - k, dim))
+    assert not agg.grads[k:].signbit().any()  # +0.0: adds nothing to any weight or state
+    assert torch.equal(agg.rows[agg.inverse], rows)
+    assert torch.equal(agg.rows[agg.owner], agg.rows) and bool((agg.owner < k).all())
 
 
 @settings(max_examples=30, deadline=None)

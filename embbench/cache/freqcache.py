@@ -31,7 +31,7 @@ from pydantic import Field
 from torch import Tensor
 
 from embbench.cache import row_copy
-from embbench.cache.row_copy import copy_rows, words
+from embbench.cache.row_copy import move_rows, words
 from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
                                              auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
@@ -155,6 +155,7 @@ class FreqCache(SparseModule):
         self.cache_extras = torch.zeros(slots, kind.extras(width), device=self.device)
         self.store = RowStore(self.cache_weights, self.cache_extras, self.optimizer) if kind.exact else \
             RoundedRowStore(self.cache_weights, self.cache_extras, self.optimizer, kind, ctx.seed)
+        ctx.configure(self.store)
 
         hot = self.planner.profile(profiled)
         warm = self.host[hot.to(self.host.device)].to(self.device)  # preloaded into slots 0..len-1
@@ -169,7 +170,7 @@ class FreqCache(SparseModule):
         # The steady-state device steps, each with fixed shapes: compiled (torch.compile) and, on
         # CUDA, captured as graphs; and why they are not.
         self._steps = {"enter": self.planner.device_enter, "plan": self._steady_plan, "late": self._late_moves}
-        self._compiled: dict[str, object] = {}
+        self._compiled: dict[str, tuple] = {}  # name -> (compiled device work, what follows it uncompiled)
         self._compile_worked: set[str] = set()
         self._compile_seconds: dict[str, float] = {}  # each step's first (compiling) call, host seconds
         self._compiling = self.cuda if params.compile == "auto" else params.compile
@@ -182,28 +183,37 @@ class FreqCache(SparseModule):
                             "off: not on CUDA" if not self.cuda else "off: cuda_graph is false")
         self._graph_checked = False
         self._numbers: dict[int, tuple[Tensor, int]] = {}  # id(values) -> (values, window number)
+        self._entering: list[SparseFeatures] = []  # numbered, their device work not queued yet
         self._prefetched: _Prefetched | None = None
         self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
         self._running: int | None = None  # the plan of the last forwarded batch
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
-        self._recorded: list[Tensor] = []
+        self._recorder = _StreamRecorder(params.belady_steps, self.max_ids, self.device)
         self._window_start: dict[str, int] | None = None
         self._window_end: Tensor | None = None
 
     # -- the look-ahead window --------------------------------------------------------------------
 
     def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
-        """Batches seen for the first time enter the planner's window (in look-ahead order)."""
+        """Batches seen for the first time enter the planner's window (in look-ahead order).
+        Their numbers are given now; their device work is queued once the next forward has
+        joined the side stream (:meth:`_enter_pending`), so that the forward never waits for it
+        (6.45M window pairs rewritten a step at the Kaggle shape), or before a plan that needs it."""
         for features in upcoming:
             known = self._numbers.get(id(features.values))
             if known is None or known[0] is not features.values:
-                with self._on_side():  # after the planner's work already queued there
-                    rows = self.space.global_rows(features.to(self.device))
-                    number = self.planner.advance_entered()
-                    self._device_step("enter", rows, eligible=len(rows) == self.max_ids)
-                    self._numbers[id(features.values)] = (features.values, number)
+                self._numbers[id(features.values)] = (features.values, self.planner.advance_entered())
+                self._entering.append(features)
+
+    def _enter_pending(self) -> None:
+        """Queue the device work of the batches that entered the window since the last call."""
+        entering, self._entering = self._entering, []
+        for features in entering:
+            with self._on_side():  # after the planner's work already queued there
+                rows = self.space.global_rows(features.to(self.device))
+                self._device_step("enter", rows, eligible=len(rows) == self.max_ids)
 
     def _window_number(self, features: SparseFeatures) -> int | None:
         known = self._numbers.pop(id(features.values), None)
@@ -213,6 +223,7 @@ class FreqCache(SparseModule):
 
     def _plan(self, features: SparseFeatures, train: bool, running: int | None) -> Tensor:
         """Plan a batch and move its rows; returns the slot of each of its ids."""
+        self._enter_pending()  # the plan sees every batch entered so far
         rows = self.space.global_rows(features.to(self.device))
         closes = train and self._observe(rows)
         pid, step = self.planner.advance(train, running, self._window_number(features))
@@ -236,12 +247,11 @@ class FreqCache(SparseModule):
 
     def _planned(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
         plan = self.planner.device_step(rows, train, step)
-        return plan.slots, plan.write_back_slots, plan.write_back_rows, plan.load_slots, plan.load_rows, plan.late
+        return (plan.slots, plan.write_back_slots, plan.write_back_rows, plan.load_slots, plan.load_rows, plan.late,
+                plan.live)
 
     def _early_moves(self, out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        _, write_back_slots, write_back_rows, load_slots, load_rows, late = out
-        self._move(*DevicePlan.moves(~late, write_back_slots, write_back_rows, load_slots, load_rows,
-                                     self.planner.sink, self.planner.pad_row))
+        self._move(*out[1:], late_part=False)
         return out
 
     def _steady_plan(self, rows: Tensor) -> tuple[Tensor, ...]:
@@ -251,9 +261,8 @@ class FreqCache(SparseModule):
         return self._planned(rows, True, _STEADY)
 
     def _late_moves(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor,
-                    late: Tensor) -> None:
-        self._move(*DevicePlan.moves(late, write_back_slots, write_back_rows, load_slots, load_rows,
-                                     self.planner.sink, self.planner.pad_row))
+                    late: Tensor, live: Tensor) -> None:
+        self._move(write_back_slots, write_back_rows, load_slots, load_rows, late, live, late_part=True)
 
     def _device_step(self, name: str, *inputs: Tensor, eligible: bool):
         """Run one of the steady-state steps (``self._steps``), of fixed shapes when
@@ -276,9 +285,10 @@ class FreqCache(SparseModule):
                     return self._captured[name](*inputs), True
         if step is self._steps[name] or name in self._compile_worked:
             return step(*inputs), False
+        compiled, finish = self._compiled[name]
         try:  # its first call compiles it (seconds; a warm inductor cache on this machine cuts them)
             started = time.perf_counter()
-            out = step(*inputs)
+            out = compiled(*inputs)
             self._compile_seconds[name] = round(time.perf_counter() - started, 3)
         except Exception as e:  # nothing ran yet (a compilation fails before it runs): run eagerly, say why
             self._compiling = False  # every step runs eagerly from here on
@@ -287,22 +297,22 @@ class FreqCache(SparseModule):
             return self._steps[name](*inputs), False
         self._compile_worked.add(name)
         self._compile_note = "compiled: " + ", ".join(sorted(self._compile_worked))
-        return out, False
+        # (outside the try: a failure here is not the compiler's, and must not plan the batch twice)
+        return finish(out), False
 
     def _compiled_step(self, name: str):
         """The step compiled (its shapes fixed: no dynamic shapes), or as it is when compilation
         is off or failed."""
-        if not self._compiling:
+        if not self._compiling or (self._triton_moves and name == "late"):  # Triton moves only: kernels already
             return self._steps[name]
         if name not in self._compiled:
-            if self._triton_moves and name == "late":  # nothing but moves: Triton kernels already
-                self._compiled[name] = self._steps[name]
-            elif self._triton_moves and name == "plan":  # the moves outside the compiled graph
-                planned = torch.compile(self._steady_planned, dynamic=False, fullgraph=True)
-                self._compiled[name] = lambda rows: self._early_moves(planned(rows))
+            if self._triton_moves and name == "plan":  # the moves outside the compiled graph
+                self._compiled[name] = (torch.compile(self._steady_planned, dynamic=False, fullgraph=True),
+                                        self._early_moves)
             else:
-                self._compiled[name] = torch.compile(self._steps[name], dynamic=False, fullgraph=True)
-        return self._compiled[name]
+                self._compiled[name] = (torch.compile(self._steps[name], dynamic=False, fullgraph=True), _same)
+        compiled, finish = self._compiled[name]
+        return lambda *inputs: finish(compiled(*inputs))
 
     def _check_first_replay(self, slots: Tensor, rows: Tensor) -> None:
         """Once (in warm-up; it waits for the device): the first replayed plan put every id in a
@@ -313,21 +323,21 @@ class FreqCache(SparseModule):
                 raise RuntimeError("freqcache: the plan replayed from its CUDA graph put ids in slots that do not "
                                    "hold their rows; run with cuda_graph: false")
 
-    def _move(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor) -> None:
-        """Dirty victims out to the host table, then the missing rows in. The moves are padded to
-        the batch's id capacity with the sink slot and the dummy host row: with Triton (CUDA)
-        the padding is skipped (:mod:`~embbench.cache.row_copy`), else it is copied there."""
+    def _move(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor, load_rows: Tensor,
+              late: Tensor, live: Tensor, late_part: bool) -> None:
+        """The plan's early (or late) moves: dirty victims out to the host table, then the
+        missing rows in. The lists are padded to the batch's id capacity with the sink slot and
+        the dummy host row: with Triton (CUDA) one launch a direction moves the live entries
+        only (:mod:`~embbench.cache.row_copy`), else torch copies the padding there too."""
+        sink, pad = self.planner.sink, self.planner.pad_row
         if self._triton_moves:
-            sink, pad = self.planner.sink, self.planner.pad_row
-            out_slots, in_slots = (torch.where(s == sink, -1, s) for s in (write_back_slots, load_slots))
-            out_rows, in_rows = (torch.where(r == pad, -1, r) for r in (write_back_rows, load_rows))
             host, weights, extras = words(self.host), words(self.cache_weights), words(self.cache_extras)
-            at = weights.shape[1]  # a packed host row: the weights' words, then the extras'
-            copy_rows(host, out_rows, weights, out_slots)
-            copy_rows(host, out_rows, extras, out_slots, dst_col=at)
-            copy_rows(weights, in_slots, host, in_rows, width=at)
-            copy_rows(extras, in_slots, host, in_rows, src_col=at)
+            for slots, rows, to_host in ((write_back_slots, write_back_rows, True), (load_slots, load_rows, False)):
+                move_rows(host, weights, extras, slots, rows, late, live, sink=sink, pad=pad, late_part=late_part,
+                          to_host=to_host)
             return
+        write_back_slots, write_back_rows, load_slots, load_rows = DevicePlan.moves(
+            late if late_part else ~late, write_back_slots, write_back_rows, load_slots, load_rows, sink, pad)
         host, kind = self.host, self.kind
         out = kind.pack(self.cache_weights[write_back_slots], self.cache_extras[write_back_slots])
         host.index_copy_(0, write_back_rows.to(host.device), out.to(host.device))
@@ -342,7 +352,7 @@ class FreqCache(SparseModule):
         if plan is not None:
             with self._on_side():
                 self._device_step("late", plan.write_back_slots, plan.write_back_rows, plan.load_slots,
-                                  plan.load_rows, plan.late, eligible=True)
+                                  plan.load_rows, plan.late, plan.live, eligible=True)
 
     def _on_side(self):
         """The side stream on CUDA, after the work queued so far on the training stream."""
@@ -367,6 +377,7 @@ class FreqCache(SparseModule):
                 slots = self._plan(features, torch.is_grad_enabled(), running=None)
             self._running = self.planner.plans - 1
         self._join_side()
+        self._enter_pending()  # on the side stream, beside this step's compute
         if self.cuda:
             slots.record_stream(torch.cuda.current_stream(self.device))
         offsets = features.offsets().to(self.device)
@@ -392,14 +403,22 @@ class FreqCache(SparseModule):
         step = self._observed
         self._observed += 1
         start, stop = self._warmup_steps, self._warmup_steps + self.params.belady_steps
-        if not self.params.belady_steps or step >= stop:
+        if not start <= step < stop:
             return False
-        self._recorded.append(_to_host(rows))
+        self._recorder.record(rows)
         if step == start:
             self._window_start = self.planner.counts.clone()
         return step == stop - 1
 
     # -- reporting -----------------------------------------------------------------------------
+
+    def empty_slots(self) -> int:
+        """Empty slots that rows outside the device could still fill (a small table may have
+        more slots than rows)."""
+        self._join_side()
+        planner = self.planner
+        empty = int((planner.slot_row[: planner.num_slots] == planner.empty_row).sum())
+        return max(0, min(empty, self.num_rows - (planner.num_slots - empty)))
 
     def counters(self) -> dict[str, int]:
         self._join_side()
@@ -410,7 +429,8 @@ class FreqCache(SparseModule):
         loaded = c.pop("rows_loaded")
         # No host planning and no own host syncs to count (the step's syncs are counted by the
         # runner's operator counter, on CUDA).
-        return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes}
+        return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
+                **self.store.work_counters()}
 
     def memory(self) -> MemoryFootprint:
         device = self.store.nbytes + self.planner.nbytes
@@ -449,9 +469,7 @@ class FreqCache(SparseModule):
         window = dict(zip(COUNTERS, (end - self._window_start).tolist()))
         # MIN from the window's start with the best possible content for free (the rows used
         # soonest): a bound for any preload, the profile's included.
-        if self.cuda:
-            torch.cuda.synchronize(self.device)  # the recorded copies
-        stream = self._recorded[self._warmup_steps :]
+        stream = self._recorder.stream()
         per_access, per_distinct = belady_hit_rates(stream, self.capacity, prefilled=True)
         out.update(
             belady_hit_rate=per_access,
@@ -464,19 +482,49 @@ class FreqCache(SparseModule):
         return out
 
 
+def _same(out):
+    return out
+
+
 def _head_and_tail(message: str, head: int = 200, tail: int = 800) -> str:
     """A long error's first and last characters: inductor's errors name the kernel first and
     say what failed last, after a subprocess's traceback."""
     return message if len(message) <= head + tail else f"{message[:head]} [...] {message[-tail:]}"
 
 
-def _to_host(rows: Tensor) -> Tensor:
-    """A copy of ``rows`` in host memory (pinned, without waiting, on CUDA)."""
-    if rows.device.type != "cuda":
-        return rows.clone()
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
-    return host
+class _StreamRecorder:
+    """The rows of the training batches in the Belady window, kept for the bound.
+
+    One buffer made at build (pinned host memory on CUDA, int32: the planner's rows fit) takes
+    every recorded batch, copied on a stream of its own: a recorded step allocates no pinned
+    memory (a fresh pinned buffer a step cost ~2.8 ms of an H100 step: results/2026-11-28-h100)
+    and the training stream never waits for the copy. Not in the strategy's memory footprint:
+    it is the benchmark's instrument, not the cache's.
+    """
+
+    def __init__(self, steps: int, max_ids: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.buffer = torch.empty(steps, max_ids, dtype=torch.int32, pin_memory=self.cuda)
+        self.lengths: list[int] = []
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def record(self, rows: Tensor) -> None:
+        """Queue a copy of one batch's rows (after the work queued so far on the current stream)."""
+        target = self.buffer[len(self.lengths), : len(rows)]
+        if self.cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(rows.device))
+            with torch.cuda.stream(self._stream):
+                target.copy_(rows, non_blocking=True)
+            rows.record_stream(self._stream)
+        else:
+            target.copy_(rows)
+        self.lengths.append(len(rows))
+
+    def stream(self) -> list[Tensor]:
+        """The recorded batches' rows (waits for the copies)."""
+        if self.cuda:
+            self._stream.synchronize()
+        return [self.buffer[i, :n].long() for i, n in enumerate(self.lengths)]
 
 
 class FreqCacheStrategy(Strategy):

@@ -2,11 +2,13 @@
 
 freqcache's plans have fixed shapes (CUDA graphs need them): every move is padded to the batch's
 id capacity (16384 x 26 = 425,984 rows at the Kaggle shape), although a step moves ~2 % of that.
-A padded entry (index -1) must therefore cost nothing. With torch's ``index_copy_`` it cannot: on
-an H100 the padding, sent to a spare row, wrote 425,984 rows a step across PCIe to the host table
-(11.7 ms of 26 ms a step, results/2026-11-26-h100). So on CUDA one Triton kernel does the copies:
-a padded row's loads and stores are masked off and issue no memory transaction. Elsewhere (the
-CPU, or no Triton) freqcache keeps torch's padded copies.
+A padded entry (the sink slot, the dummy host row) must therefore cost nothing. With torch's
+``index_copy_`` it cannot: on an H100 the padding wrote 425,984 rows a step across PCIe to the
+host table (11.7 ms of 26 ms a step, results/2026-11-26-h100). So on CUDA one Triton kernel does
+each direction's copies (a packed host row's weights and extras together) in a persistent loop
+bounded by the plan's live entries, read on the device: a padded entry's loads and stores are
+masked off and issue no memory transaction. Elsewhere (the CPU, or no Triton) freqcache keeps
+torch's padded copies.
 
 Tables are copied as 32-bit words, so one kernel moves float32, float16, bfloat16 and fp8 rows
 and their float32 extras alike (a packed host row is a whole number of words: see
@@ -20,10 +22,14 @@ import importlib.util
 import torch
 from torch import Tensor
 
-__all__ = ["copy_rows", "triton_problem", "words"]
+__all__ = ["move_rows", "triton_problem", "words"]
 
-#: Rows and 32-bit columns of one Triton program's tile.
+#: Entries and 32-bit columns of one Triton program's tile.
 _ROWS, _COLS = 16, 64
+#: Programs of a move at most: each loops over the live entries (a persistent loop), so a move
+#: launches for the rows it moves, not for the 425,984 entries of a padded plan (26,624 programs a
+#: call before, results/2026-11-28-h100).
+_PROGRAMS = 1024
 
 _kernel = None
 
@@ -36,20 +42,38 @@ def _triton_kernel():
         import triton.language as tl
 
         @triton.jit
-        def copy_rows(dst, dst_rows, dst_stride, dst_col, src, src_rows, src_stride, src_col, n, width,
+        def move_rows(host, host_stride, weights, w_stride, extras, e_stride, slots, rows, late, live, sink, pad,
+                      w_words, e_words, LATE: tl.constexpr, TO_HOST: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
-            i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-            inside = i < n
-            d = tl.load(dst_rows + i, mask=inside, other=-1).to(tl.int64)
-            s = tl.load(src_rows + i, mask=inside, other=-1).to(tl.int64)
-            live = (d >= 0) & (s >= 0)  # a padded entry: no load, no store
-            for c0 in range(0, width, COLS):
-                c = c0 + tl.arange(0, COLS)
-                mask = live[:, None] & (c < width)[None, :]
-                words = tl.load(src + s[:, None] * src_stride + (src_col + c)[None, :], mask=mask)
-                tl.store(dst + d[:, None] * dst_stride + (dst_col + c)[None, :], words, mask=mask)
+            bound = tl.load(live)
+            for start in range(tl.program_id(0) * ROWS, bound, tl.num_programs(0) * ROWS):
+                i = start + tl.arange(0, ROWS)
+                inside = i < bound
+                s = tl.load(slots + i, mask=inside, other=sink).to(tl.int64)
+                r = tl.load(rows + i, mask=inside, other=pad).to(tl.int64)
+                mine = (tl.load(late + i, mask=inside, other=0) != 0) == LATE
+                go = inside & mine & (s != sink) & (r != pad)  # a padded entry: no load, no store
+                # a packed host row: the weights' words, then the extras'
+                for c0 in range(0, w_words, COLS):
+                    c = c0 + tl.arange(0, COLS)
+                    mask = go[:, None] & (c < w_words)[None, :]
+                    at_host = host + r[:, None] * host_stride + c[None, :]
+                    at_slot = weights + s[:, None] * w_stride + c[None, :]
+                    if TO_HOST:
+                        tl.store(at_host, tl.load(at_slot, mask=mask), mask=mask)
+                    else:
+                        tl.store(at_slot, tl.load(at_host, mask=mask), mask=mask)
+                for c0 in range(0, e_words, COLS):
+                    c = c0 + tl.arange(0, COLS)
+                    mask = go[:, None] & (c < e_words)[None, :]
+                    at_host = host + r[:, None] * host_stride + (w_words + c)[None, :]
+                    at_slot = extras + s[:, None] * e_stride + c[None, :]
+                    if TO_HOST:
+                        tl.store(at_host, tl.load(at_slot, mask=mask), mask=mask)
+                    else:
+                        tl.store(at_slot, tl.load(at_host, mask=mask), mask=mask)
 
-        _kernel = copy_rows
+        _kernel = move_rows
     return _kernel
 
 
@@ -67,16 +91,19 @@ def words(t: Tensor) -> Tensor:
     return t.view(torch.int32)
 
 
-def copy_rows(dst: Tensor, dst_rows: Tensor, src: Tensor, src_rows: Tensor, *, dst_col: int = 0, src_col: int = 0,
-              width: int | None = None) -> None:
-    """``dst[dst_rows[i], dst_col:dst_col+width] = src[src_rows[i], src_col:src_col+width]`` for
-    every ``i`` whose two indices are not -1, with the Triton kernel (CUDA; the interpreter on a
-    CPU with ``TRITON_INTERPRET=1``), on tables of 32-bit words (:func:`words`). ``width``:
-    the rest of ``src``'s row from ``src_col`` unless given."""
-    width = src.shape[1] - src_col if width is None else width
-    n = dst_rows.numel()
-    if width == 0 or n == 0:
+def move_rows(host: Tensor, weights: Tensor, extras: Tensor, slots: Tensor, rows: Tensor, late: Tensor, live: Tensor,
+              *, sink: int, pad: int, late_part: bool, to_host: bool) -> None:
+    """One direction of a plan's moves in one launch: for each entry ``i < live`` of the part
+    ``late_part`` selects (``late[i] == late_part``) whose slot is not ``sink`` and whose row is
+    not ``pad``, the packed host row ``rows[i]`` (``host``: the weights' words, then the
+    extras') to or from slot ``slots[i]`` of ``weights`` and ``extras``. All tables are 32-bit
+    words (:func:`words`); ``live`` is a 1-element tensor read on the device (the plan's
+    candidates: no move lies past it). Runs compiled on CUDA, in Triton's interpreter on a CPU
+    with ``TRITON_INTERPRET=1``."""
+    n = slots.numel()
+    if n == 0:
         return
-    grid = (-(-n // _ROWS),)
-    _triton_kernel()[grid](dst, dst_rows, dst.stride(0), dst_col, src, src_rows, src.stride(0), src_col, n, width,
-                           ROWS=_ROWS, COLS=_COLS)
+    grid = (min(-(-n // _ROWS), _PROGRAMS),)
+    _triton_kernel()[grid](host, host.stride(0), weights, weights.stride(0), extras, max(1, extras.stride(0)), slots,
+                           rows, late, live.reshape(1), sink, pad, weights.shape[1], extras.shape[1],
+                           LATE=late_part, TO_HOST=to_host, ROWS=_ROWS, COLS=_COLS)

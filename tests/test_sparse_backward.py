@@ -1,0 +1,139 @@
+"""The sparse backward's work (issue 42, item 1): ``run.sparse_backward``, the Triton update that
+skips the padding (in Triton's interpreter here, compiled on CUDA), and the work counters every
+record of a strategy that updates rows itself carries. The work is measured from what the
+update is given, never inferred from the results."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from baselines.tables import WholeTables
+from embbench import row_update
+from embbench.cache import FreqCache, FreqCacheParams
+from embbench.data import SparseFeatures, TableSpec
+from embbench.embedding import RowStore, pooled_lookup
+from embbench.optim import EmbeddingOptimizer, aggregate_rows_padded
+from embbench.scenario import parse_scenario
+from tests.conftest import tiny_scenario, train_and_flush
+from tests.test_freqcache import _context, _train
+
+CPU = torch.device("cpu")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (scripts/setup_env.sh installs it)")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The Triton kernel built afresh under its interpreter (the CPU runs it with numpy)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(row_update, "_kernel", None)
+    yield
+    monkeypatch.setattr(row_update, "_kernel", None)
+
+
+@needs_triton
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # set once
+@given(ids=st.lists(st.integers(0, 24), min_size=1, max_size=60), dim=st.sampled_from([1, 5, 64, 70]),
+       opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), seed=st.integers(0, 2**16))
+def test_the_triton_update_is_torch_s_on_the_distinct_rows_and_touches_no_other(ids, dim, opt_type, seed, interpreted):
+    g = torch.Generator().manual_seed(seed)
+    opt = EmbeddingOptimizer(type=opt_type, lr=0.3)
+    weights, state = torch.randn(25, dim, generator=g), torch.rand(25, opt.state_width, generator=g)
+    agg = aggregate_rows_padded(torch.tensor(ids), torch.randn(len(ids), dim, generator=g))
+    expected_w, expected_s = weights.clone(), state.clone()
+    opt.update(expected_w, expected_s, agg.rows, agg.grads)  # torch, padding included
+    row_update.update_valid_rows(opt, weights, state, agg.rows, agg.grads, agg.distinct)
+    torch.testing.assert_close(weights, expected_w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state, expected_s, rtol=1e-6, atol=1e-7)
+    untouched = torch.ones(25, dtype=torch.bool)
+    untouched[agg.rows] = False
+    assert torch.equal(weights[untouched], expected_w[untouched])  # bit for bit: never written
+
+
+def _batches(tables, count: int, seed: int = 0) -> list[SparseFeatures]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        values = torch.cat([torch.randint(0, t.num_rows, (8 * t.bag_size,), generator=g) // 3 for t in tables])
+        out.append(SparseFeatures(values, torch.tensor([t.bag_size for t in tables for _ in range(8)]), len(tables)))
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("opt_type", ["sgd", "rowwise_adagrad"])
+def test_with_the_triton_update_device_and_freqcache_train_alike_and_update_each_row_once(opt_type, interpreted):
+    """The kernel path against torch's: within float32 rounding; device against freqcache (both
+    through the kernel): bit for bit. Its update entries are the distinct rows (<= 1.25x)."""
+    tables = [TableSpec("t0", 60, 4, 2, 1.0), TableSpec("t1", 20, 4, 1, 1.0)]
+    batches = _batches(tables, 6)
+    opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
+
+    def trained(module, kernel: bool):
+        module.store.padded_aggregation, module.store.update_kernel = True, kernel
+        outputs = _train(module, batches, prefetch=isinstance(module, FreqCache),
+                         lookahead=getattr(module, "lookahead", 0))
+        return outputs, module.flush(), module.counters()
+
+    params = FreqCacheParams(cache_ratio=0.2, profile_batches=2, belady_steps=0)
+    torch_path = trained(WholeTables(_context(tables, opt, batches)), kernel=False)
+    device = trained(WholeTables(_context(tables, opt, batches)), kernel=True)
+    cache = trained(FreqCache(_context(tables, opt, batches), params), kernel=True)
+    for a, b in zip(device[1], cache[1], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(device[1], torch_path[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    distinct = sum(len(torch.unique(WholeTables(_context(tables, opt, batches)).space.global_rows(f))) for f in batches)
+    for counters in (device[2], cache[2]):
+        assert counters["update_entries"] == distinct <= 1.25 * distinct
+        assert counters["update_entries_max_per_row"] == len(batches)  # one entry a row, each step
+    assert torch_path[2]["update_entries"] == sum(f.values.numel() for f in batches)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 9), min_size=1, max_size=50), padded=st.booleans(),
+       opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]))
+def test_the_work_counters_are_what_the_optimizer_was_given(ids, padded, opt_type):
+    """update_entries and update_entries_max_per_row counted from the index the optimizer's
+    scatter receives; ids_max_per_row from the batch; on the padded path no row gets more
+    entries than it has ids (the padding spreads as the ids do: no hot spot)."""
+    opt = EmbeddingOptimizer(type=opt_type, lr=0.1)
+    store = RowStore(torch.randn(10, 3), opt.new_state(10, CPU), opt)
+    store.padded_aggregation, store.update_kernel = padded, False
+    given_rows = []
+    real_update = opt.update
+    object.__setattr__(opt, "update", lambda w, s, rows, grad: (given_rows.append(rows.clone()), real_update(w, s, rows, grad)))
+    rows = torch.tensor(ids)
+    (pooled_lookup(store, rows, torch.tensor([0, len(ids)]), CPU) * torch.randn(1, 3)).sum().backward()
+    (index,) = given_rows
+    work = store.work_counters()
+    assert work["update_entries"] == len(index) == (len(ids) if padded else len(set(ids)))
+    assert work["update_entries_max_per_row"] == int(torch.unique(index, return_counts=True)[1].max())
+    assert work["ids_max_per_row"] == int(torch.unique(rows, return_counts=True)[1].max())
+    assert work["update_entries_max_per_row"] <= work["ids_max_per_row"]
+
+
+@pytest.mark.parametrize("mode,entries", [("padded", "ids"), ("unique", "distinct")])
+def test_run_sparse_backward_picks_the_path_and_the_record_counts_its_work(mode, entries, tmp_path):
+    """A CPU run takes the CUDA path with ``padded`` (and the same weights as ``unique``); the
+    record's counters.per_step carries the update's work; ``auto`` keeps older digests."""
+    raw = tiny_scenario(run={"sparse_backward": mode})
+    weights, metrics = train_and_flush(raw, "device", tmp_path=tmp_path)
+    other, _ = train_and_flush(tiny_scenario(run={"sparse_backward": "unique" if mode == "padded" else "padded"}),
+                               "device", tmp_path=tmp_path)
+    for a, b in zip(weights, other, strict=True):
+        assert torch.equal(a, b)
+    per_step = metrics["counters"]["per_step"]
+    ids_per_step = per_step["accesses"]
+    if entries == "ids":
+        assert per_step["update_entries"] == ids_per_step
+        assert per_step["update_entries_max_per_row"] == per_step["ids_max_per_row"]
+    else:
+        assert per_step["update_entries"] < ids_per_step and per_step["update_entries_max_per_row"] == 1
+    auto, _ = parse_scenario(tiny_scenario(), "test")
+    explicit, _ = parse_scenario(raw, "test")
+    assert auto.digest() != explicit.digest()
+    assert auto.digest() == parse_scenario(tiny_scenario(run={"sparse_backward": "auto"}), "test")[0].digest()
