@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["Bytes", "Config", "Count", "Finite", "NonNegative", "Positive", "PositiveCount", "Rate", "Seed"]
+__all__ = ["Bytes", "Config", "Count", "Finite", "NonNegative", "Positive", "PositiveCount", "Rate", "Rows", "Seed"]
 
 # Strict: a string or a bool is not a number.
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -26,6 +26,8 @@ Rate = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
 Count = Annotated[int, Field(strict=True, ge=0)]
 PositiveCount = Annotated[int, Field(strict=True, gt=0)]
 Bytes = Count
+#: A table's rows: its ids are int64 (torch's indices), so it holds fewer than 2^63.
+Rows = Annotated[int, Field(strict=True, gt=0, lt=1 << 63)]
 #: What torch's generators take (``torch.manual_seed``: 64 bits, unsigned).
 Seed = Annotated[int, Field(strict=True, ge=0, lt=1 << 64)]
 

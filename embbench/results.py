@@ -16,7 +16,6 @@ import os
 import platform
 import re
 import socket
-import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_ex
 
 from embbench import buildinfo
 from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate
+from embbench.inputs import not_regular, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
@@ -513,11 +513,11 @@ def run_directory_lock(directory: Path) -> Iterator[None]:
         # Never through a link (it would truncate a file elsewhere); O_NONBLOCK: a FIFO put there opens at once.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        kind = _not_regular(path)
+        kind = not_regular(path)
         raise ValueError(f"{path}: cannot create the run directory's lock: "
                          f"{kind + '; remove it' if kind else e.strerror}") from None
     try:
-        kind = _not_regular(path, os.fstat(fd).st_mode)
+        kind = not_regular(path, os.fstat(fd).st_mode)
         if kind:
             raise ValueError(f"{path}: cannot lock the run directory: {kind}; remove it")
         try:
@@ -534,37 +534,11 @@ def run_directory_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _not_regular(path: Path, mode: int | None = None) -> str | None:
-    """What ``path`` is when it is not a regular file (a symbolic link, a FIFO, ...), else None."""
-    if mode is None:
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            return None
-    if stat.S_ISREG(mode):
-        return None
-    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
-             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
-    return "is " + next((name for test, name in kinds.items() if test(mode)), "something else") + ", not a regular file"
-
-
 class RecordError(ValueError):
     """A record file that cannot be used (damaged, foreign, incomplete); the message names it,
     and :func:`load_records` sets ``path`` (so a reader can tell which cell's file it was)."""
 
     path: Path | None = None
-
-
-def schema_error(e: ValidationError) -> str:
-    """The first thing wrong, as ``key.path: what`` (how many more there are, if any)."""
-    errors = e.errors()
-    first = errors[0]
-    if first["type"] == "record_field":  # raised by Record's own validator: the key is in the message
-        text = first["msg"]
-    else:
-        key = ".".join(str(p) for p in first["loc"]) or "record"
-        text = f"{key}: {first['msg']}"
-    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
 
 
 def read_record(path: Path) -> Record:
@@ -574,26 +548,10 @@ def read_record(path: Path) -> Record:
         RecordError: naming the file and what is wrong (unreadable, not JSON, not a record,
             another schema version, the first field that fails the schema, by its key path).
     """
-    if not path.is_file():  # a FIFO would block, a device never end
-        raise RecordError(f"{path}: not a regular file")
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise RecordError(f"{path}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise RecordError(f"{path}: not UTF-8 text; not a result record") from None
-    except json.JSONDecodeError as e:
-        raise RecordError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
-    except RecursionError:
-        raise RecordError(f"{path}: nested too deeply; not a result record") from None
-    if not isinstance(data, dict):
-        raise RecordError(f"{path}: a JSON {type(data).__name__}, not a result record (an object)")
+    data = read_json(path, "result record", RecordError)  # a FIFO, a device, bytes that are not UTF-8 or JSON: named
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{path}: schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    try:
-        record = Record.model_validate(data)
-    except ValidationError as e:
-        raise RecordError(f"{path}: {schema_error(e)}") from None
+    record = validated(Record, data, path, RecordError)
     from embbench.scenario import cell_slug
 
     if path.name != f"{cell_slug(record.cell_id)}.json":  # edited, or copied over another cell's file

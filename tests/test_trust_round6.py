@@ -1,0 +1,194 @@
+"""Trust round 6 (issue 40): every file the harness reads is checked as a record is
+(:mod:`embbench.inputs`), every file it leaves is written whole (:func:`embbench.outputs.atomic_write`),
+every bound is finite (:mod:`embbench.bounds`).
+
+Every probe runs in this process and starts no cell's processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from embbench.cli import main
+from tests.record_factory import make_record, write_run
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _disk_full_at_sync(monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+
+
+# --- 1. a cache curve file is checked as a record is --------------------------------------------
+
+
+def _curve() -> dict:
+    from embbench.cache.curve import measure
+
+    rng = np.random.default_rng(0)
+    steps = [rng.integers(0, 300, 64) for _ in range(6)]
+    return measure(steps, {"t0": 100, "t1": 200}, (0.01, 0.1, 0.5), ("lru", "freqcache", "min"), skip=2)
+
+
+def _edit(curve: dict, change) -> dict:
+    curve = copy.deepcopy(curve)
+    change(curve)
+    return curve
+
+
+_DAMAGED_CURVES = [
+    (lambda c: c["scopes"].pop(0), "scopes: are ['t0', 't1']; expected all and then each table (t0, t1)"),
+    (lambda c: c.pop("scopes"), "scopes: Field required"),
+    (lambda c: c.update(ratios=["0.01", "0.1", "0.5"]), "ratios.0: Input should be a valid number"),
+    (lambda c: c.update(ratios=[0.01, 0.1]), "scopes.0.capacity: 3 values for 2 ratios"),
+    (lambda c: c["scopes"][0]["policies"]["lru"].update(hit_rate=[None, None, None]),
+     "scopes.0.policies.lru.hit_rate: null where every ratio was measured"),
+    (lambda c: c["scopes"][1]["policies"]["min"].update(unique_hit_rate=[0.1, 1.5, 0.2]),
+     "scopes.1.policies.min.unique_hit_rate.1: Input should be less than or equal to 1"),
+    (lambda c: c.update(ratios=[0.5, 0.1, 0.01]), "ratios: [0.5, 0.1, 0.01] do not ascend"),
+]
+
+
+@pytest.mark.parametrize("change, expected", _DAMAGED_CURVES)
+def test_a_damaged_curve_is_refused_naming_the_file_and_the_key(tmp_path, capsys, change, expected):
+    from embbench.cache.curve import read_curve
+
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(_edit(_curve(), change)))
+    with pytest.raises(ValueError) as e:
+        read_curve(path)
+    assert str(e.value).startswith(f"{path}: {expected}")
+    run = write_run(tmp_path / "run", [make_record("device"), make_record("cpu", step_times=[0.02] * 12)])
+    code, _, err = _cli(capsys, "recommend", run, "--device-memory", "1GiB", "--curve", path)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {path}: {expected}")
+
+
+def test_a_curve_in_bytes_that_are_not_utf8_is_named(tmp_path):
+    from embbench.cache.curve import read_curve
+
+    path = tmp_path / "curve.json"
+    path.write_bytes(b'{"format": "embbench-curve-1", "\xff": 1}')
+    with pytest.raises(ValueError, match=rf"^{path}: line 1: not UTF-8 text \(byte 0xff at offset 32\)$"):
+        read_curve(path)
+
+
+def test_a_damaged_curve_beside_a_run_costs_the_reports_plot_not_the_report(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [make_record("device"), make_record("cpu", step_times=[0.02] * 12)])
+    (run / "curve.json").write_text(json.dumps(_edit(_curve(), lambda c: c["scopes"].pop(0))))
+    code, _, err = _cli(capsys, "report", run, "--out", tmp_path / "r.html")
+    assert code == 0 and (tmp_path / "r.html").is_file()
+    assert err == (f"warning: {run / 'curve.json'}: scopes: are ['t0', 't1']; expected all and then each table (t0, t1) "
+                   "(a damaged curve file; write one with `embbench curve --out`); the report has no cache curve\n")
+    assert "expected all and then each table" in (tmp_path / "r.html").read_text()
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.lists(st.integers(0, 50), min_size=1, max_size=4), value=_JSON)
+def test_any_value_anywhere_in_a_curve_is_read_or_refused_by_name(tmp_path, where, value):
+    """Whatever replaces a part of a valid curve, read_curve returns a curve the readers can use
+    (its table, its knee, torchrec's statistics) or raises one ValueError naming the file."""
+    from embbench.cache.curve import knee, read_curve
+    from embbench.cache.curve_scenario import curve_tables
+
+    curve = _curve()
+    node = curve
+    for step in where:  # walk down to a random part, then replace it
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        key = keys[step % len(keys)]
+        if not isinstance(node[key], (dict, list)) or not node[key] or step == where[-1]:
+            node[key] = value
+            break
+        node = node[key]
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(curve))
+    try:
+        read = read_curve(path)
+    except ValueError as e:
+        assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
+        return
+    curve_tables(read)
+    knee(read)
+
+
+# --- 4. data import-tbe: the bounds of a scenario, per list item ---------------------------------
+
+
+def _tbe(tmp_path: Path, text: str | bytes | None = None, **changes) -> Path:
+    def fit(s):
+        return {"heavy_hitters": [0.2], "zipf_q": 0.5, "zipf_s": s}
+
+    raw = {"T": 2, "E": 1000, "D": 16, "batch_params": {"B": 512}, "indices_params": fit(1.1),
+           "pooling_params": {"L": 2, "Ls": [1.0, 3.0]}, "Es": [1000, 300], "Ds": [16, 16],
+           "indices_params_list": [fit(1.05), fit(0.8)], **changes}
+    path = tmp_path / "tbe-op-config-estimation-100.json"
+    data = json.dumps(raw) if text is None else text
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"indices_params_list": [{"zipf_q": 0.5, "zipf_s": 1.0}, {"zipf_q": 0.5, "zipf_s": float("inf")}]},
+     "indices_params_list.1.zipf_s: Input should be a finite number"),
+    ({"Es": [0, -5]}, "Es.0: Input should be greater than 0 (and 1 more)"),
+    ({"E": 10**30}, "E: Input should be less than 9223372036854775808"),
+    ({"batch_params": {"B": True}}, "batch_params.B: Input should be a valid integer"),
+    ({"pooling_params": {"L": 2, "Ls": [1.0, float("nan")]}}, "pooling_params.Ls.1: Input should be a finite number"),
+], ids=["zipf-s-infinite", "rows-0", "rows-1e30", "batch-true", "bag-nan"])
+def test_a_tbe_report_is_held_to_a_scenarios_bounds_item_by_item(tmp_path, capsys, changes, expected):
+    path = _tbe(tmp_path, **changes)
+    code, out, err = _cli(capsys, "data", "import-tbe", path)
+    assert code == 2 and out == "" and err == f"error: {path}: {expected} (not an fbgemm TBE input report?)\n"
+
+
+def test_a_scenarios_tables_share_the_bound_on_rows(tmp_path):
+    from embbench.scenario import ScenarioError, parse_scenario
+    from tests.conftest import tiny_scenario
+
+    raw = tiny_scenario(data={"tables": [{"rows": 10**30}]})
+    raw["data"].pop("preset", None)
+    with pytest.raises(ScenarioError, match=r"^t\.yaml: data\.tables\[0\]\.rows: Input should be less than 9223372036854775808"):
+        parse_scenario(raw, "t.yaml")
+
+
+def _fifo(tmp_path: Path, name: str) -> Path:
+    os.mkfifo(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("argv, name, what", [
+    (("data", "import-tbe", "{path}"), "tbe.json", "TBE input report"),
+    (("recommend", "{run}", "--device-memory", "1GiB", "--curve", "{path}"), "curve.json", "curve file"),
+])
+def test_a_fifo_is_refused_by_name_never_read(tmp_path, capsys, argv, name, what):
+    path = _fifo(tmp_path, name)
+    run = write_run(tmp_path / "run", [make_record("device")])
+    code, _, err = _cli(capsys, *(a.format(path=path, run=run) for a in argv))
+    assert code == 2 and err == (f"error: {path}: is a FIFO, not a regular file (a {what} is read from a file; "
+                                 "this one would block or never end)\n")
+
+
+def test_a_tbe_report_in_bytes_that_are_not_utf8_is_named(tmp_path, capsys):
+    path = _tbe(tmp_path, text=b'{"T": 2, "\xfe": 1}')
+    code, _, err = _cli(capsys, "data", "import-tbe", path)
+    assert code == 2 and err == f"error: {path}: line 1: not UTF-8 text (byte 0xfe at offset 10)\n"
