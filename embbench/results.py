@@ -182,6 +182,29 @@ class WeightDistance(TypedDict):
 
 
 @_open
+class GpuSample(TypedDict):
+    """One GPU at one end of the timed steps (:func:`embbench.noise.sample`)."""
+
+    sm_clock_mhz: NotRequired[Finite]
+    temperature_c: NotRequired[Finite]
+
+
+@_open
+class Noise(TypedDict):
+    """The machine while the steps were timed (:func:`embbench.noise.noise_floor`): what the
+    tables, ``compare`` and ``recommend`` read to flag a busy machine."""
+
+    window_s: NotRequired[NonNegative]
+    cores: NotRequired[PositiveCount]
+    load_1min: NotRequired[list[NonNegative]]  # at the start and at the end
+    mem_available_bytes: NotRequired[list[Bytes | None]]
+    others_cpu_share: NotRequired[NonNegative | None]  # None: /proc/stat unreadable
+    steal_share: NotRequired[NonNegative | None]
+    gpu: NotRequired[list[GpuSample]]
+    gpu_other_processes: NotRequired[Count]
+
+
+@_open
 class Metrics(TypedDict):
     """What an ``ok`` cell measured (:func:`embbench.runner.run_cell`)."""
 
@@ -199,7 +222,7 @@ class Metrics(TypedDict):
     threads: NotRequired[PositiveCount]  # intra-op threads per rank
     usable_cores: NotRequired[PositiveCount]  # the cores the ranks could use (affinity, cgroup quota)
     cpu_seconds_per_step: NotRequired[NonNegative]  # every thread of every rank, in the timed steps
-    noise: NotRequired[dict[str, Any]]  # the machine while the steps were timed (embbench.noise.noise_floor)
+    noise: NotRequired[Noise]
     generator_samples_per_s: NotRequired[Positive]
     generator_cuda_graph: NotRequired[bool | None]
     ops_per_step: NotRequired[NonNegative]

@@ -192,3 +192,33 @@ def test_a_tbe_report_in_bytes_that_are_not_utf8_is_named(tmp_path, capsys):
     path = _tbe(tmp_path, text=b'{"T": 2, "\xfe": 1}')
     code, _, err = _cli(capsys, "data", "import-tbe", path)
     assert code == 2 and err == f"error: {path}: line 1: not UTF-8 text (byte 0xfe at offset 10)\n"
+
+
+# --- 2. metrics.noise is declared in the record schema --------------------------------------------
+
+
+@pytest.mark.parametrize("noise, expected", [
+    ("busy", "metrics.noise: Input should be a valid dictionary"),
+    ([0.5], "metrics.noise: Input should be a valid dictionary"),
+    ({"gpu_other_processes": {"a": 1}}, "metrics.noise.gpu_other_processes: Input should be a valid integer"),
+    ({"others_cpu_share": "high"}, "metrics.noise.others_cpu_share: Input should be a valid number"),
+    ({"load_1min": [1.0, -2.0]}, "metrics.noise.load_1min.1: Input should be greater than or equal to 0"),
+])
+def test_a_records_noise_is_checked_as_its_other_figures_are(tmp_path, capsys, noise, expected):
+    records = [make_record("device"), make_record("cpu", step_times=[0.02] * 12)]
+    run, other = (write_run(tmp_path / name, records) for name in ("run", "other"))
+    data = json.loads((run / "cpu@w1.json").read_text())
+    data["metrics"]["noise"] = noise
+    (run / "cpu@w1.json").write_text(json.dumps(data))
+    for argv in (("show", run), ("compare", other, run)):
+        code, _, err = _cli(capsys, *argv)
+        assert code in (0, 3) and err.startswith(f"warning: {run / 'cpu@w1.json'}: {expected}"), err
+
+
+def test_a_noise_sample_as_the_runner_writes_it_validates():
+    from embbench.noise import noise_floor, sample
+    from embbench.results import Record
+
+    record = make_record("device")
+    record.metrics["noise"] = noise_floor(sample(), sample(), 0.0)
+    Record.model_validate(record.model_dump())
