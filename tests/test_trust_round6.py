@@ -222,3 +222,58 @@ def test_a_noise_sample_as_the_runner_writes_it_validates():
     record = make_record("device")
     record.metrics["noise"] = noise_floor(sample(), sample(), 0.0)
     Record.model_validate(record.model_dump())
+
+
+# --- 3. trace import-dlrm checks its tensors and writes whole -------------------------------------
+
+
+def _dlrm(tmp_path: Path, indices, lengths, name: str = "b.pt") -> Path:
+    import torch
+
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths.reshape(-1), 0)])
+    path = tmp_path / name
+    torch.save((torch.as_tensor(indices, dtype=torch.long), offsets, lengths), path)
+    return path
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda tmp: _dlrm(tmp, [1, 2, 3, 4], [[3, -1], [1, 1]]), "lengths[0, 1] = -1 is negative"),
+    (lambda tmp: (tmp / "b.pt").write_bytes(b"") or tmp / "b.pt", "an empty file (0 bytes), not a torch file"),
+    (lambda tmp: _dlrm(tmp, [2**63 - 1], [[1]]),
+     f"indices[0] = {2**63 - 1} is too large: a table holds fewer than 2^63 rows, so an id is at most {2**63 - 2}"),
+    (lambda tmp: _dlrm(tmp, [], np.zeros((0, 4))), "lengths has shape [0, 4]: a batch of no tables or no samples"),
+    (lambda tmp: _fifo(tmp, "b.pt"), "is a FIFO, not a regular file (a dlrm_datasets batch is read from a file; "
+                                     "this one would block or never end)"),
+], ids=["negative-lengths", "empty", "id-2^63-1", "no-tables", "fifo"])
+def test_a_dlrm_batch_is_checked_before_it_becomes_a_trace(tmp_path, capsys, make, expected):
+    path = make(tmp_path)
+    code, _, err = _cli(capsys, "trace", "import-dlrm", path, "--out", tmp_path / "t.npz")
+    assert code == 2 and err == f"error: {path}: {expected}\n"
+    assert not (tmp_path / "t.npz").exists()
+
+
+def test_the_largest_id_imports_into_a_trace_embbench_reads(tmp_path, capsys):
+    from embbench.data.trace import Trace
+
+    path = _dlrm(tmp_path, [2**63 - 2, 0], [[1], [1]])
+    code, _, err = _cli(capsys, "trace", "import-dlrm", path, "--out", tmp_path / "t.npz")
+    assert code == 0 and err == ""
+    assert Trace(tmp_path / "t.npz").num_rows.tolist() == [2**63 - 1, 1]
+
+
+def test_trace_import_on_a_full_disk_leaves_no_file_and_names_it(tmp_path, capsys, monkeypatch):
+    path = _dlrm(tmp_path, [1, 2], [[1], [1]])
+    out = tmp_path / "out"
+    out.mkdir()
+    _disk_full_at_sync(monkeypatch)
+    code, _, err = _cli(capsys, "trace", "import-dlrm", path, "--out", out / "t.npz")
+    assert code == 2 and "No space left on device" in err and str(out / "t.npz") in err
+    assert list(out.iterdir()) == []
+
+
+def test_data_check_refuses_a_fifo_trace_by_name(tmp_path, capsys):
+    path = _fifo(tmp_path, "t.npz")
+    code, _, err = _cli(capsys, "data", "check", path)
+    assert code == 2 and err == (f"error: {path}: is a FIFO, not a regular file (a trace is read from a file; "
+                                 "this one would block or never end)\n")
