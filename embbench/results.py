@@ -26,7 +26,7 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 from embbench import buildinfo
-from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate
+from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate, Threads
 from embbench.inputs import not_regular, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
@@ -219,7 +219,7 @@ class Metrics(TypedDict):
     build_seconds: NotRequired[NonNegative]
     step_time_s: StepTimes
     throughput: Throughput
-    threads: NotRequired[PositiveCount]  # intra-op threads per rank
+    threads: NotRequired[Threads]  # intra-op threads per rank (run.threads)
     usable_cores: NotRequired[PositiveCount]  # the cores the ranks could use (affinity, cgroup quota)
     cpu_seconds_per_step: NotRequired[NonNegative]  # every thread of every rank, in the timed steps
     noise: NotRequired[Noise]

@@ -20,7 +20,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from embbench.bounds import Config, PositiveCount, Rows, Seed
+from embbench.bounds import THREADS_MAX, Config, PositiveCount, Rows, Seed, Threads
 from embbench.data.criteo import NUM_TABLES
 from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
 from embbench.inputs import read_text
@@ -161,7 +161,7 @@ class RunConfig(_Strict):
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
     )
-    threads: int | Literal["auto"] = Field(
+    threads: Threads | Literal["auto"] = Field(
         "auto", description="intra-op CPU threads per rank ('auto': the cores this process may use, CPU affinity "
                             "and cgroup quota, divided by the ranks, so ranks x threads never exceeds them)")
     dense_precision: DensePrecision = Field(
@@ -204,8 +204,8 @@ class RunConfig(_Strict):
     @field_validator("threads", mode="before")
     @classmethod
     def _at_least_one_thread(cls, value: Any) -> Any:
-        if isinstance(value, bool) or (isinstance(value, int) and value < 1):
-            raise ValueError(f"must be 'auto' or at least 1, got {value!r}")
+        if isinstance(value, bool) or (isinstance(value, int) and not 1 <= value <= THREADS_MAX):
+            raise ValueError(f"must be 'auto' or from 1 to {THREADS_MAX}, got {value!r}")
         return value
 
     def threads_per_rank(self, world_size: int) -> int:
@@ -256,12 +256,13 @@ class Scenario(_Strict):
 
         return source_tables(self.data)
 
-    def data_source(self, device: torch.device | str):
+    def data_source(self, device: torch.device | str, batches: tuple[int, int] | None = None):
         """The batch source (``.batch(stream, index, batch_size)``); for files, after checking
-        that they hold the rows the run reads."""
+        that they hold the rows the run reads (``batches``: the training and evaluation
+        batches another reader takes)."""
         from embbench.data.sources import open_source
 
-        return open_source(self.data, self.run, device)
+        return open_source(self.data, self.run, device, batches)
 
     def digest(self) -> str:
         """A hash of the effective scenario (after command-line overrides): what a cell's

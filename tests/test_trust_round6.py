@@ -277,3 +277,96 @@ def test_data_check_refuses_a_fifo_trace_by_name(tmp_path, capsys):
     code, _, err = _cli(capsys, "data", "check", path)
     assert code == 2 and err == (f"error: {path}: is a FIFO, not a regular file (a trace is read from a file; "
                                  "this one would block or never end)\n")
+
+
+# --- 5, 6, 7. embbench curve: its own reads, its flags, its --out ----------------------------------
+
+
+def _scenario_file(tmp_path: Path, raw: dict, name: str = "t.yaml") -> Path:
+    import yaml
+
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path) -> Path:
+    from tests.conftest import tiny_scenario
+
+    return _scenario_file(tmp_path, tiny_scenario())
+
+
+def test_the_curve_needs_the_batches_it_reads_not_those_a_run_would(tmp_path, capsys, tiny):
+    from tests.conftest import tiny_scenario
+
+    code, _, err = _cli(capsys, "trace", "record", tiny, "--out", tmp_path / "t.npz", "--train-batches", "12",
+                        "--eval-batches", "0")
+    assert code == 0, err  # trace record, too, needs what it records (12 batches), not a run's
+    raw = tiny_scenario(data={"source": "trace", "path": str(tmp_path / "t.npz"), "embedding_dim": 8, "batch_size": 64},
+                        run={"steps": 10, "repeats": 5})  # a run would read 56 batches
+    del raw["data"]["preset"], raw["data"]["scale"]
+    scenario = _scenario_file(tmp_path, raw, "trace.yaml")
+    code, out, err = _cli(capsys, "curve", scenario, "--warmup", "4", "--steps", "8", "--policies", "lru,min")
+    assert code == 0 and err == "" and "8 batches after 4 of warm-up" in " ".join(out.split()), err
+    code, _, err = _cli(capsys, "curve", scenario, "--warmup", "4", "--steps", "9", "--policies", "lru")
+    assert code == 2 and err == (f"error: data.path {tmp_path / 't.npz'}: the train stream has 768 rows; this command "
+                                 "needs 832 (13 batches of 64). Set data.epochs: 2 to read it 2 times, or ask for fewer steps\n")
+
+
+def test_a_curve_of_freqcache_alone_is_shown(capsys, tiny):
+    code, out, err = _cli(capsys, "curve", tiny, "--warmup", "2", "--steps", "2", "--policies", "freqcache",
+                          "--sizes", "0.05,0.2")
+    assert code == 0 and err == "" and "freqcache" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (("--sizes", "0.05,0.2", "--freqcache-sizes", "0.1"),
+     "error: --freqcache-sizes 0.1: not among --sizes 0.05,0.2; freqcache is driven at sizes of the curve\n"),
+    (("--steps", "1000000000"), "argument --steps: must be at most 10000, got 1000000000"),
+    (("--warmup", "10001"), "argument --warmup: must be at most 10000, got 10001"),
+])
+def test_curve_flags_are_bounded_and_none_is_silently_ignored(capsys, tiny, argv, expected):
+    try:
+        code, _, err = _cli(capsys, "curve", tiny, *argv)
+    except SystemExit as e:  # argparse
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2 and expected in err
+
+
+def test_curve_out_on_a_full_disk_leaves_no_file_and_names_it(tmp_path, capsys, monkeypatch, tiny):
+    out = tmp_path / "out"
+    out.mkdir()
+    _disk_full_at_sync(monkeypatch)
+    code, _, err = _cli(capsys, "curve", tiny, "--warmup", "1", "--steps", "2", "--policies", "lru",
+                        "--out", out / "c.json")
+    assert code == 2 and err == f"error: [Errno 28] cannot write the curve: No space left on device: '{out / 'c.json'}'\n"
+    assert list(out.iterdir()) == []
+
+
+# --- 8, 9. every bound finite, every count bounded ------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["nan", "--rehearse"], "argument seconds: must be at least 0, got nan"),
+    (["inf", "--rehearse"], "argument seconds: must be a finite number, got inf"),
+    (["60", "--spent", "nan"], "argument --spent: must be at least 0, got nan"),
+])
+def test_a_gpu_sessions_budget_is_a_finite_number(capsys, argv, expected):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import gpu_session
+
+    with pytest.raises(SystemExit) as e:
+        gpu_session.main(argv)
+    assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("threads", [2**63, 4097, 0])
+def test_run_threads_is_bounded_before_anything_runs(tmp_path, capsys, threads):
+    from tests.conftest import tiny_scenario
+
+    path = _scenario_file(tmp_path, tiny_scenario(run={"threads": threads}))
+    code, _, err = _cli(capsys, "run", path, "--dry-run")
+    assert code == 2 and err == f"error: {path}: run.threads: must be 'auto' or from 1 to 4096, got {threads}\n"
