@@ -370,3 +370,24 @@ def test_run_threads_is_bounded_before_anything_runs(tmp_path, capsys, threads):
     path = _scenario_file(tmp_path, tiny_scenario(run={"threads": threads}))
     code, _, err = _cli(capsys, "run", path, "--dry-run")
     assert code == 2 and err == f"error: {path}: run.threads: must be 'auto' or from 1 to 4096, got {threads}\n"
+
+
+# --- 10. setup_env.sh says why when torch does not import -----------------------------------------
+
+
+def test_setup_env_names_a_torch_that_installs_but_does_not_import(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(  # pip "installs"; torch's import fails as a broken wheel does
+        '#!/bin/bash\nif [ "$1" = "-c" ]; then\n  case "$2" in *"import torch"*)\n'
+        '    echo "OSError: libtorch_cpu.so: cannot open shared object file" >&2; exit 1;; esac\n  exit 0\nfi\n')
+    (venv / "bin" / "python").chmod(0o755)
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "EMBBENCH_VENV": str(venv), "EMBBENCH_TORCH": "torch==2.11.0"}
+    out = subprocess.run(["bash", str(root / "scripts" / "setup_env.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert f"setup_env: torch==2.11.0 is installed in {venv} but does not import" in out.stderr
+    assert "OSError: libtorch_cpu.so: cannot open shared object file" in out.stderr
