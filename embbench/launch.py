@@ -637,10 +637,15 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
 def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
     """The strategy's own ``unsupported_reason`` and row precision check; a plugin that raises
     there fails its cell only."""
+    hook = "__init__"
     try:
-        reason = cell.make_strategy().refusal(env, cell.row_precision)
+        strategy = cell.make_strategy()
+        hook = "unsupported_reason"
+        reason = strategy.unsupported_reason(env)
+        hook = "row_precision_reason"
+        reason = reason or strategy.row_precision_reason(cell.row_precision, env)
     except Exception as e:
-        return CellOutcome("error", f"strategy {cell.strategy!r}: unsupported_reason raised {type(e).__name__}: {e}", None)
+        return CellOutcome("error", f"strategy {cell.strategy!r}: {hook} raised {type(e).__name__}: {e}", None)
     return CellOutcome("unsupported", reason, None) if reason else None
 
 

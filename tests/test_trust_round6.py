@@ -391,3 +391,52 @@ def test_setup_env_names_a_torch_that_installs_but_does_not_import(tmp_path):
     assert out.returncode == 1
     assert f"setup_env: torch==2.11.0 is installed in {venv} but does not import" in out.stderr
     assert "OSError: libtorch_cpu.so: cannot open shared object file" in out.stderr
+
+
+# --- 11. a plugin's row_precisions is checked when it is loaded -----------------------------------
+
+
+def _plugin(tmp_path, monkeypatch, body: str, module: str = "rp_plugin"):
+    from tests.conftest import _install_plugin
+
+    _install_plugin(tmp_path / "site", module, {"rp": f"{module}:Rp"}, f"""
+        from baselines.tables import DeviceStrategy
+
+        class Rp(DeviceStrategy):
+            name = "rp"
+{body}
+        """, monkeypatch)
+
+
+@pytest.fixture
+def fresh_strategies():
+    from embbench.strategy import load_strategies
+
+    load_strategies.cache_clear()
+    yield
+    load_strategies.cache_clear()
+
+
+@pytest.mark.parametrize("declared", ['"fp16"', "()", '("fp32", "fp64")', "None"])
+def test_a_plugins_row_precisions_is_checked_when_it_is_loaded(tmp_path, monkeypatch, fresh_strategies, declared):
+    from embbench.strategy import broken_strategies, load_strategies
+
+    module = f"rp_plugin_{abs(hash(declared))}"  # a module of its own: Python caches one it imported
+    _plugin(tmp_path, monkeypatch, f"            row_precisions = {declared}\n", module)
+    assert "rp" not in load_strategies()
+    assert broken_strategies()["rp"] == (f"strategy 'rp' ({module}:Rp): row_precisions must be a non-empty tuple of "
+                                         f"fp32, fp16, bf16, fp8; got {eval(declared)!r}")
+
+
+def test_the_hook_that_raised_is_named(tmp_path, monkeypatch, fresh_strategies):
+    from embbench.launch import outcome_without_launch
+    from embbench.scenario import parse_scenario
+    from tests.conftest import tiny_scenario
+
+    _plugin(tmp_path, monkeypatch, "            row_precisions = ('fp32', 'fp16')\n\n"
+                                   "            def row_precision_reason(self, precision, env):\n"
+                                   "                raise RuntimeError('no table yet')\n", "rp_plugin_hook")
+    scenario, cells = parse_scenario(tiny_scenario(baseline="rp", strategies=[{"name": "rp"}]), "t.yaml")
+    outcome = outcome_without_launch(scenario, cells[0])
+    assert outcome.status == "error"
+    assert outcome.message == "strategy 'rp': row_precision_reason raised RuntimeError: no table yet"
