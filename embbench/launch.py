@@ -494,13 +494,22 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             fp32_id = Cell(cell.strategy, cell.params, cell.world_size).id
             if cell.row_precision == "fp32":
                 fp32_records[cell.id] = record
-            elif cell.id not in done and fp32_id in fp32_records and _trained_steps(fp32_records[fp32_id]) == _trained_steps(record):
-                initial = initial if initial is not None else _initial_tables(scenario)
-                try:
-                    record.metrics["weight_diff_vs_fp32"] = weight_distance(
-                        mine, weights_dir / fp32_records[fp32_id].metrics["weights_file"], initial)
-                except RecordError as e:
-                    record.metrics["weights_not_compared_fp32"] = str(e)
+            elif cell.id not in done:  # the distance from the fp32 cell, or why there is none
+                fp32 = fp32_records.get(fp32_id)
+                if fp32 is None:
+                    record.metrics["weights_not_compared_fp32"] = (
+                        f"no flushed weights of {fp32_id} in this run (fp32 is not in run.row_precision, "
+                        "or that cell did not end ok)")
+                elif _trained_steps(fp32) != _trained_steps(record):
+                    record.metrics["weights_not_compared_fp32"] = (
+                        f"trained {_trained_steps(record)} steps, {fp32_id} {_trained_steps(fp32)} (warm-up until steady)")
+                else:
+                    initial = initial if initial is not None else _initial_tables(scenario)
+                    try:
+                        record.metrics["weight_diff_vs_fp32"] = weight_distance(
+                            mine, weights_dir / fp32.metrics["weights_file"], initial)
+                    except RecordError as e:
+                        record.metrics["weights_not_compared_fp32"] = str(e)
         if write and cell.id not in done:  # a reused record stays as it was written
             try:
                 write_record(out_dir, cell.slug, record)

@@ -440,3 +440,34 @@ def test_the_hook_that_raised_is_named(tmp_path, monkeypatch, fresh_strategies):
     outcome = outcome_without_launch(scenario, cells[0])
     assert outcome.status == "error"
     assert outcome.message == "strategy 'rp': row_precision_reason raised RuntimeError: no table yet"
+
+
+# --- 12. a cell in another precision says why it has no distance from fp32 -------------------------
+
+
+@pytest.mark.parametrize("precisions, expected", [
+    (["fp16"], "no flushed weights of device@w1 in this run (fp32 is not in run.row_precision, or that cell did not end ok)"),
+    (["fp32", "fp16"], None),
+])
+def test_a_cell_without_an_fp32_cell_records_why(tmp_path, precisions, expected):
+    import torch
+
+    from embbench.launch import CellOutcome, run_cells
+    from embbench.scenario import parse_scenario
+    from tests.conftest import tiny_scenario
+
+    raw = tiny_scenario(run={"row_precision": precisions, "compare_weights": True}, strategies=[{"name": "device"}])
+    scenario, cells = parse_scenario(raw, "t.yaml")
+    flushed = [torch.zeros(t.num_rows, t.dim) for t in scenario.tables()]
+
+    def execute(cell, weights: Path) -> CellOutcome:
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(flushed, weights)
+        return CellOutcome("ok", None, make_record(row_precision=cell.row_precision, weights_file=weights.name).metrics)
+
+    records = {r.cell_id: r for r in run_cells(scenario, "t.yaml", cells, tmp_path, execute=execute)}
+    metrics = records["device@w1@fp16"].metrics
+    if expected is None:
+        assert "weight_diff_vs_fp32" in metrics and "weights_not_compared_fp32" not in metrics
+    else:
+        assert metrics["weights_not_compared_fp32"] == expected and "weight_diff_vs_fp32" not in metrics
