@@ -875,6 +875,13 @@ def _stdout_gone() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # another Ctrl-C while the first unwinds (its message, the handlers' reset): said once
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
         print(f"error: standard output is closed; embbench {args.command} prints its results there "

@@ -22,6 +22,8 @@ import math
 import multiprocessing
 import numbers
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +39,7 @@ import torch
 from pydantic import ValidationError
 
 from embbench import cell_process
+from embbench.data.criteo import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
@@ -178,6 +181,20 @@ def _poll_progress(path: Path, last: dict | None, on_progress: Callable[[str, in
     return now
 
 
+#: A cell's scratch folder under TMPDIR: ``embbench-cell-<pid of the launcher>-<random>``.
+_SCRATCH = re.compile(r"embbench-cell-(\d+)-.+")
+
+
+def remove_dead_scratch() -> None:
+    """Remove the cells' scratch folders whose launcher has died without removing them (a
+    SIGKILL), as the data cache removes the work folders of dead processes; a live
+    launcher's folders are never touched."""
+    for path in Path(tempfile.gettempdir()).glob("embbench-cell-*"):
+        match = _SCRATCH.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink() and not pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Path,
                  weights_path: Path | None = None, time_limit_s: float | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None,
@@ -189,7 +206,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
     """
     limit = time_limit_s if time_limit_s is not None else scenario.run.time_limit_s
     log_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="embbench-cell-") as tmp:
+    remove_dead_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"embbench-cell-{os.getpid()}-") as tmp:  # the pid: see remove_dead_scratch
         tmp_dir = Path(tmp)
         spec = {
             "scenario": scenario.model_dump(mode="json"),

@@ -471,3 +471,88 @@ def test_a_cell_without_an_fp32_cell_records_why(tmp_path, precisions, expected)
         assert "weight_diff_vs_fp32" in metrics and "weights_not_compared_fp32" not in metrics
     else:
         assert metrics["weights_not_compared_fp32"] == expected and "weight_diff_vs_fp32" not in metrics
+
+
+# --- 13. left from round 5 ------------------------------------------------------------------------
+
+
+def test_a_disk_that_fills_during_the_weights_copy_costs_that_column_and_leaves_no_file(tmp_path, monkeypatch):
+    """torch.save writing to a file that fills failed the cell with "unexpected pos N vs M"
+    and left a truncated .pt; the copy is now serialised in memory and written whole."""
+    import errno
+
+    import torch
+
+    import embbench.outputs as outputs
+    from embbench.runner import run_cell
+    from embbench.scenario import parse_scenario
+    from embbench.strategy import RuntimeEnv
+    from tests.conftest import tiny_scenario
+
+    real = os.fdopen
+
+    class Filling:  # takes 100 bytes, then the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(bytes(data)[:100])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(outputs.os, "fdopen", lambda fd, mode: Filling(real(fd, mode)))
+    scenario, cells = parse_scenario(tiny_scenario(), "t.yaml")
+    weights = tmp_path / "weights" / "device@w1.pt"
+    metrics = run_cell(scenario, cells[0], RuntimeEnv(torch.device("cpu")), weights)
+    assert metrics["step_time_s"]["n"] > 0 and metrics["weights_file"] is None
+    assert metrics["weights_not_compared"] == f"cannot save the flushed weights to {weights}: No space left on device"
+    assert list(weights.parent.iterdir()) == []
+
+
+def test_a_ctrl_c_in_the_interrupt_handlers_reset_prints_no_traceback(tmp_path, capsys, monkeypatch):
+    import signal
+
+    import embbench.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt  # the first Ctrl-C
+
+    real, calls = signal.signal, []
+
+    def reset(signum, handler):
+        calls.append(signum)
+        if len(calls) == 2:  # the finally's reset of SIGTERM: the next Ctrl-C lands here
+            raise KeyboardInterrupt
+        return real(signum, handler)
+
+    monkeypatch.setattr(cli, "cmd_show", interrupted)
+    monkeypatch.setattr(signal, "signal", reset)
+    previous = signal.getsignal(signal.SIGTERM)
+    code = cli.main(["show", str(tmp_path)])
+    monkeypatch.undo()
+    signal.signal(signal.SIGTERM, previous)  # the reset the test interrupted
+    assert code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+def test_the_scratch_folders_of_dead_launchers_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from embbench.launch import remove_dead_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"embbench-cell-{dead.pid}-abc").mkdir()  # a run killed by SIGKILL left it
+    (tmp_path / f"embbench-cell-{os.getpid()}-def").mkdir()  # a live run's
+    (tmp_path / "embbench-cell-xyz").mkdir()  # no pid: not known to be dead
+    remove_dead_scratch()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"embbench-cell-{os.getpid()}-def", "embbench-cell-xyz"]
