@@ -4,11 +4,13 @@
 and the policy sweep's file): unknown keys refused, no infinity or NaN (JSON has none, so a
 record could not hold the scenario it ran), and no boolean where a number is meant (``true``
 is not read as 1). The annotated types are the bounds that the scenario's fields and the
-record's share.
+record's share; :func:`positive_flag` is the bound of a command-line number.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import types
 import typing
 from typing import Annotated, Any
@@ -16,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["Bytes", "Config", "Count", "Finite", "NonNegative", "Positive", "PositiveCount", "Rate", "Seed"]
+__all__ = ["CURVE_MAX_BATCHES", "THREADS_MAX", "Bytes", "Config", "Count", "Finite", "NonNegative", "Positive", "PositiveCount", "Rate", "Rows", "Seed", "Threads", "positive_flag"]
 
 # Strict: a string or a bool is not a number.
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -26,6 +28,14 @@ Rate = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
 Count = Annotated[int, Field(strict=True, ge=0)]
 PositiveCount = Annotated[int, Field(strict=True, gt=0)]
 Bytes = Count
+#: A table's rows: its ids are int64 (torch's indices), so it holds fewer than 2^63.
+Rows = Annotated[int, Field(strict=True, gt=0, lt=1 << 63)]
+#: Intra-op threads per rank (``run.threads``): torch takes a C int, and no machine has more cores.
+THREADS_MAX = 4096
+Threads = Annotated[int, Field(strict=True, ge=1, le=THREADS_MAX)]
+#: Batches a cache curve holds in memory, each of its flags (``curve --warmup``, ``--steps``): a
+#: Criteo-Kaggle batch of 16384 samples is 3.4 MB of ids, so 10,000 batches are 34 GB.
+CURVE_MAX_BATCHES = 10_000
 #: What torch's generators take (``torch.manual_seed``: 64 bits, unsigned).
 Seed = Annotated[int, Field(strict=True, ge=0, lt=1 << 64)]
 
@@ -60,3 +70,26 @@ class Config(BaseModel):
                     raise PydanticCustomError("scenario_key", "{message}",
                                               {"key": key, "message": f"{str(value).lower()} is a boolean, not a number"})
         return data
+
+
+def positive_flag(kind: type, zero: bool = False, at_most: float | None = None):
+    """An argparse type: a finite number of ``kind`` above zero (at least zero with ``zero``),
+    and at most ``at_most`` if given. Every numeric flag (embbench's and its scripts') goes
+    through it, so an empty, NaN, infinite or out-of-range value is refused with the flag
+    named (argparse names it)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value >= 0 if zero else value > 0):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {'at least' if zero else 'above'} 0, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

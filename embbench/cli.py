@@ -8,7 +8,6 @@ import contextlib
 import csv
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -23,11 +22,12 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from embbench.bounds import CURVE_MAX_BATCHES, positive_flag
 from embbench.commands import run_command
 from embbench.device import resolve_device
 from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
 from embbench.optional import MissingDependency, require
-from embbench.outputs import claim_output, head_has
+from embbench.outputs import atomic_write, claim_output, head_has
 from embbench.progress import RunProgress
 from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
 from embbench.results import RUN_CURVE, RecordError, by_scenario, load_records, run_directory_lock, scenario_differences
@@ -264,10 +264,12 @@ def _data_cache(args: argparse.Namespace) -> Path:
     return Path(args.data_cache) if args.data_cache else Path("results") / "data-cache"
 
 
-def _prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False) -> None:
+def _prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False,
+                  batches: tuple[int, int] | None = None) -> None:
     """Point the cells at the data cache and, for files, convert and check them before any
     cell starts (a malformed or too short file, or a damaged cache entry that cannot be
-    rebuilt, stops the run here, with nothing run). ``verify`` hashes every entry."""
+    rebuilt, stops the run here, with nothing run). ``verify`` hashes every entry;
+    ``batches``: the training and evaluation batches a command other than ``run`` reads."""
     from embbench.data.criteo import DataCacheError
     from embbench.data.sources import CACHE_ENV, check_rows, criteo_dataset, stream_rows
 
@@ -281,7 +283,7 @@ def _prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False) ->
         except DataCacheError as e:
             e.scenario = path  # the rebuild command names this scenario file
             raise
-    check_rows(scenario.data, scenario.run, stream_rows(scenario.data))
+    check_rows(scenario.data, scenario.run, stream_rows(scenario.data), batches)
 
 
 def _stats_table(title: str, stats: list, caption: str) -> Table:
@@ -355,12 +357,12 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
 
     claim_output(Path(args.out), "--out", "embbench trace record", is_trace, args.overwrite)
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
-    _prepare_data(args.scenario, scenario, _data_cache(args))
     train, evaluation = batches_needed(scenario.run)
     train = args.train_batches or train
     evaluation = args.eval_batches if args.eval_batches is not None else evaluation
+    _prepare_data(args.scenario, scenario, _data_cache(args), batches=(train, evaluation))  # what it records, not a run's
     tables = scenario.tables()
-    source = scenario.data_source(torch.device("cpu"))
+    source = scenario.data_source(torch.device("cpu"), (train, evaluation))
     written = record_trace(source, [t.num_rows for t in tables], scenario.data.batch_size, train, evaluation,
                            Path(args.out), features=args.features)
     console.print(Text(f"{args.out}: {written['train']:,} training and {written['eval']:,} evaluation samples of "
@@ -399,20 +401,25 @@ def cmd_curve(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {out}: give a .json or .csv file name")
         claim_output(out, "--out", "embbench curve", lambda path: head_has(path, CURVE_FORMAT.encode())
                      or head_has(path, b"scope,rows,policy,ratio"), args.overwrite)
+    elsewhere = sorted(set(args.freqcache_sizes or ()) - set(args.sizes))
+    if elsewhere:
+        raise ValueError(f"--freqcache-sizes {','.join(map(str, elsewhere))}: not among --sizes "
+                         f"{','.join(map(str, args.sizes))}; freqcache is driven at sizes of the curve")
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
-    _prepare_data(args.scenario, scenario, _data_cache(args))
+    _prepare_data(args.scenario, scenario, _data_cache(args), batches=(args.warmup + args.steps, 0))  # its own reads
     curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes)
     for shown in curve_tables(curve):
         console.print(shown)
     if out is not None:
-        out.write_text(to_csv(curve) if out.suffix == ".csv" else json.dumps(curve, indent=1))
+        text = to_csv(curve) if out.suffix == ".csv" else json.dumps(curve, indent=1)
+        atomic_write(out, lambda f: f.write(text.encode()), "the curve")  # a full disk leaves no half curve
         console.print(Text(f"{out}: every size, policy and table"))
     return 0
 
 
 def _ratios(text: str) -> list[float]:
     """``--sizes 0.001,0.01``: cache ratios in (0, 1]."""
-    return sorted({_positive(float, at_most=1)(item) for item in text.split(",")})
+    return sorted({positive_flag(float, at_most=1)(item) for item in text.split(",")})
 
 
 def _policies(text: str) -> list[str]:
@@ -693,28 +700,6 @@ def _view(args: argparse.Namespace) -> View:
     return View(args.columns, args.wide)
 
 
-def _positive(kind: type, zero: bool = False, at_most: float | None = None):
-    """An argparse type: a finite number of ``kind`` above zero (at least zero with ``zero``),
-    and at most ``at_most`` if given. Every numeric flag goes through it, so an empty, NaN,
-    infinite or out-of-range value is refused with the flag named (argparse names it)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (value >= 0 if zero else value > 0):  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be {'at least' if zero else 'above'} 0, got {text}")
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if at_most is not None and value > at_most:
-            raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def _names(text: str) -> list[str]:
     """``--strategies a,b``: one name at least, none empty."""
     names = [name.strip() for name in text.split(",")]
@@ -727,7 +712,7 @@ def _names(text: str) -> list[str]:
 
 def _world_sizes(text: str) -> list[int]:
     """``--worlds 1,2,4``: world sizes of at least 1."""
-    return [_positive(int)(item) for item in text.split(",")]
+    return [positive_flag(int)(item) for item in text.split(",")]
 
 
 def _links(text: str) -> dict[str, float]:
@@ -738,7 +723,7 @@ def _links(text: str) -> dict[str, float]:
         if not sep or not name:
             raise argparse.ArgumentTypeError(f"{item!r}: expected name=GB/s,... e.g. nvlink=450,net100=12.5")
         try:
-            links[name] = _positive(float)(gbps)
+            links[name] = positive_flag(float)(gbps)
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"{name}: {e}") from None
     return links
@@ -750,14 +735,14 @@ def _add_data_commands(sub) -> None:
     check = data_sub.add_parser("check", help="validate Criteo TSV files or a trace; print rows, cardinalities, skew")
     check.add_argument("path", help="a file, a glob, or a directory of day_N files (plain or .gz); or a trace .npz")
     check.add_argument("--format", choices=["kaggle", "terabyte"], default="kaggle", help="how a directory is read")
-    check.add_argument("--hash-size", type=_positive(int), help="count ids modulo this, as data.hash_size does")
+    check.add_argument("--hash-size", type=positive_flag(int), help="count ids modulo this, as data.hash_size does")
     check.add_argument("--data-cache", help="keep the parsed files in this folder (default: a temporary one)")
     check.set_defaults(func=cmd_data_check)
     prepare = data_sub.add_parser("prepare", help="build a scenario's data cache ahead of `embbench run`")
     prepare.add_argument("scenario", help="scenario YAML file")
     prepare.add_argument("--data-cache", help="the folder `run --data-cache` will read (default: results/data-cache); "
                          "existing entries are hashed and rebuilt if damaged")
-    prepare.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
+    prepare.add_argument("--scale", type=positive_flag(float, at_most=1), help="as `run --scale` (synthetic data only)")
     prepare.set_defaults(func=cmd_data_prepare)
     tbe = data_sub.add_parser("import-tbe", help="the data: section (synthetic) for an fbgemm TBE input report "
                                                    "(the JSON FBGEMM_REPORT_INPUT_PARAMS_INTERVAL writes)")
@@ -768,11 +753,11 @@ def _add_data_commands(sub) -> None:
     record = trace_sub.add_parser("record", help="write a scenario's training and evaluation id streams to a .npz trace")
     record.add_argument("scenario", help="scenario YAML file")
     record.add_argument("--out", required=True, help="the trace file (.npz)")
-    record.add_argument("--train-batches", type=_positive(int), help="training batches (default: what a run of the scenario reads)")
-    record.add_argument("--eval-batches", type=_positive(int, zero=True), help="evaluation batches (default: run.eval_batches)")
+    record.add_argument("--train-batches", type=positive_flag(int), help="training batches (default: what a run of the scenario reads)")
+    record.add_argument("--eval-batches", type=positive_flag(int, zero=True), help="evaluation batches (default: run.eval_batches)")
     record.add_argument("--features", action="store_true", help="also record labels and dense features")
     record.add_argument("--overwrite", action="store_true", help="replace an existing file that is not a trace (never a record)")
-    record.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
+    record.add_argument("--scale", type=positive_flag(float, at_most=1), help="as `run --scale` (synthetic data only)")
     record.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     record.set_defaults(func=cmd_trace_record)
     dlrm = trace_sub.add_parser("import-dlrm", help="Meta's dlrm_datasets batches (.pt files of indices, offsets, lengths) "
@@ -795,12 +780,14 @@ def _add_curve_command(sub) -> None:
                        help=f"any of {','.join(POLICIES)} (default all)")
     curve.add_argument("--freqcache-sizes", type=_ratios, metavar="R,R,...",
                        help="where freqcache's planner is driven, a simulation each (default the smallest, middle and largest size)")
-    curve.add_argument("--warmup", type=_positive(int, zero=True), default=48,
-                       help="training batches simulated before counting (default 48: freqcache's 32 profiled and 16 warm-up)")
-    curve.add_argument("--steps", type=_positive(int), default=64, help="training batches counted (default 64)")
+    curve.add_argument("--warmup", type=positive_flag(int, zero=True, at_most=CURVE_MAX_BATCHES), default=48,
+                       help="training batches simulated before counting (default 48: freqcache's 32 profiled and 16 "
+                            f"warm-up; at most {CURVE_MAX_BATCHES:,}: the curve holds them in memory)")
+    curve.add_argument("--steps", type=positive_flag(int, at_most=CURVE_MAX_BATCHES), default=64,
+                       help=f"training batches counted (default 64, at most {CURVE_MAX_BATCHES:,})")
     curve.add_argument("--out", help="also write every size, policy and table: a .json or .csv file")
     curve.add_argument("--overwrite", action="store_true", help="replace an existing --out that is not a curve (never a record)")
-    curve.add_argument("--scale", type=_positive(float, at_most=1), help="as `run --scale` (synthetic data only)")
+    curve.add_argument("--scale", type=positive_flag(float, at_most=1), help="as `run --scale` (synthetic data only)")
     curve.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     curve.set_defaults(func=cmd_curve)
 
@@ -810,8 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run every cell of a scenario and print the comparison")
     run.add_argument("scenario", help="scenario YAML file")
-    run.add_argument("--steps", type=_positive(int), help="measured steps per repeat (overrides run.steps)")
-    run.add_argument("--scale", type=_positive(float, at_most=1), help="multiply table cardinalities (overrides data.scale)")
+    run.add_argument("--steps", type=positive_flag(int), help="measured steps per repeat (overrides run.steps)")
+    run.add_argument("--scale", type=positive_flag(float, at_most=1), help="multiply table cardinalities (overrides data.scale)")
     run.add_argument("--strategies", type=_names, help="comma-separated subset of the scenario's strategies")
     run.add_argument("--out", help="run directory (default: results/runs/<scenario>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
@@ -841,7 +828,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("run", help="a run directory")
     rec.add_argument("--device-memory", required=True, metavar="SIZE", help="per device, e.g. 16GiB, 80GB, 512MiB")
     rec.add_argument("--host-memory", metavar="SIZE", help="per host (all ranks together)")
-    rec.add_argument("--auc-tolerance", type=_positive(float, zero=True, at_most=1), default=0.001,
+    rec.add_argument("--auc-tolerance", type=positive_flag(float, zero=True, at_most=1), default=0.001,
                      help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     rec.add_argument("--curve", help="an `embbench curve --out` JSON of the scenario (default RUN/curve.json if there): "
@@ -870,7 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
     proj.add_argument("results", help="a run directory or one record file")
     proj.add_argument("--worlds", type=_world_sizes, default=[1, 2, 4, 8], help="world sizes to project (default 1,2,4,8)")
     proj.add_argument("--links", type=_links, help="name=GB/s,... per-rank link bandwidths (default nvlink, pcie5, net400, net100)")
-    proj.add_argument("--latency-us", type=_positive(float, zero=True), default=0.0, help="latency per collective (4 per step), microseconds")
+    proj.add_argument("--latency-us", type=positive_flag(float, zero=True), default=0.0, help="latency per collective (4 per step), microseconds")
     proj.set_defaults(func=cmd_project)
     return parser
 
@@ -888,6 +875,13 @@ def _stdout_gone() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # another Ctrl-C while the first unwinds (its message, the handlers' reset): said once
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
         print(f"error: standard output is closed; embbench {args.command} prints its results there "

@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -216,9 +218,13 @@ def plot_cache_curve(run: Run) -> str | None:
     from embbench.cache.curve import read_curve
 
     path = Path(run.path) / RUN_CURVE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    curve = read_curve(path)
+    try:
+        curve = read_curve(path)
+    except ValueError as e:  # a damaged curve costs its plot, never the report
+        print(f"warning: {e}; the report has no cache curve", file=sys.stderr)
+        return f"<p class=\"warning\">{html.escape(str(e))}; no cache curve</p>"
     lines = curve["scopes"][0]["policies"]
     families = [p for p in curve["policies"] if p != "min"]
     if not families:

@@ -22,6 +22,8 @@ import math
 import multiprocessing
 import numbers
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +39,7 @@ import torch
 from pydantic import ValidationError
 
 from embbench import cell_process
+from embbench.data.criteo import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
@@ -178,6 +181,20 @@ def _poll_progress(path: Path, last: dict | None, on_progress: Callable[[str, in
     return now
 
 
+#: A cell's scratch folder under TMPDIR: ``embbench-cell-<pid of the launcher>-<random>``.
+_SCRATCH = re.compile(r"embbench-cell-(\d+)-.+")
+
+
+def remove_dead_scratch() -> None:
+    """Remove the cells' scratch folders whose launcher has died without removing them (a
+    SIGKILL), as the data cache removes the work folders of dead processes; a live
+    launcher's folders are never touched."""
+    for path in Path(tempfile.gettempdir()).glob("embbench-cell-*"):
+        match = _SCRATCH.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink() and not pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Path,
                  weights_path: Path | None = None, time_limit_s: float | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None,
@@ -189,7 +206,8 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
     """
     limit = time_limit_s if time_limit_s is not None else scenario.run.time_limit_s
     log_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="embbench-cell-") as tmp:
+    remove_dead_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"embbench-cell-{os.getpid()}-") as tmp:  # the pid: see remove_dead_scratch
         tmp_dir = Path(tmp)
         spec = {
             "scenario": scenario.model_dump(mode="json"),
@@ -494,13 +512,22 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             fp32_id = Cell(cell.strategy, cell.params, cell.world_size).id
             if cell.row_precision == "fp32":
                 fp32_records[cell.id] = record
-            elif cell.id not in done and fp32_id in fp32_records and _trained_steps(fp32_records[fp32_id]) == _trained_steps(record):
-                initial = initial if initial is not None else _initial_tables(scenario)
-                try:
-                    record.metrics["weight_diff_vs_fp32"] = weight_distance(
-                        mine, weights_dir / fp32_records[fp32_id].metrics["weights_file"], initial)
-                except RecordError as e:
-                    record.metrics["weights_not_compared_fp32"] = str(e)
+            elif cell.id not in done:  # the distance from the fp32 cell, or why there is none
+                fp32 = fp32_records.get(fp32_id)
+                if fp32 is None:
+                    record.metrics["weights_not_compared_fp32"] = (
+                        f"no flushed weights of {fp32_id} in this run (fp32 is not in run.row_precision, "
+                        "or that cell did not end ok)")
+                elif _trained_steps(fp32) != _trained_steps(record):
+                    record.metrics["weights_not_compared_fp32"] = (
+                        f"trained {_trained_steps(record)} steps, {fp32_id} {_trained_steps(fp32)} (warm-up until steady)")
+                else:
+                    initial = initial if initial is not None else _initial_tables(scenario)
+                    try:
+                        record.metrics["weight_diff_vs_fp32"] = weight_distance(
+                            mine, weights_dir / fp32.metrics["weights_file"], initial)
+                    except RecordError as e:
+                        record.metrics["weights_not_compared_fp32"] = str(e)
         if write and cell.id not in done:  # a reused record stays as it was written
             try:
                 write_record(out_dir, cell.slug, record)
@@ -637,10 +664,15 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
 def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
     """The strategy's own ``unsupported_reason`` and row precision check; a plugin that raises
     there fails its cell only."""
+    hook = "__init__"
     try:
-        reason = cell.make_strategy().refusal(env, cell.row_precision)
+        strategy = cell.make_strategy()
+        hook = "unsupported_reason"
+        reason = strategy.unsupported_reason(env)
+        hook = "row_precision_reason"
+        reason = reason or strategy.row_precision_reason(cell.row_precision, env)
     except Exception as e:
-        return CellOutcome("error", f"strategy {cell.strategy!r}: unsupported_reason raised {type(e).__name__}: {e}", None)
+        return CellOutcome("error", f"strategy {cell.strategy!r}: {hook} raised {type(e).__name__}: {e}", None)
     return CellOutcome("unsupported", reason, None) if reason else None
 
 

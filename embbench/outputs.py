@@ -30,14 +30,15 @@ def head_has(path: Path, *marks: bytes) -> bool:
     return all(mark in head for mark in marks)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
+def atomic_write(path: Path, write: Callable[[BinaryIO], object], what: str | None = None) -> Path:
     """Write ``path`` whole or not at all: ``write(file)`` fills a temporary file beside it,
     which is synced (a full disk shows here) and renamed over ``path``. Made with the
     permissions ``open`` gives (the umask's; ``mkstemp`` alone would make 0600).
 
     Raises:
         OSError: from ``write`` or the file system (a full disk: ``No space left on device``);
-            the temporary file is removed and an existing ``path`` is kept.
+            the temporary file is removed and an existing ``path`` is kept. With ``what``,
+            it says ``cannot write WHAT: ...`` and names ``path``.
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -49,8 +50,10 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if what is not None and isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {what}: {e.strerror}", str(path)) from None
         raise
     return path
 

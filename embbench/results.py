@@ -16,7 +16,6 @@ import os
 import platform
 import re
 import socket
-import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -27,7 +26,8 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 from embbench import buildinfo
-from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate
+from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate, Threads
+from embbench.inputs import not_regular, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
@@ -182,6 +182,29 @@ class WeightDistance(TypedDict):
 
 
 @_open
+class GpuSample(TypedDict):
+    """One GPU at one end of the timed steps (:func:`embbench.noise.sample`)."""
+
+    sm_clock_mhz: NotRequired[Finite]
+    temperature_c: NotRequired[Finite]
+
+
+@_open
+class Noise(TypedDict):
+    """The machine while the steps were timed (:func:`embbench.noise.noise_floor`): what the
+    tables, ``compare`` and ``recommend`` read to flag a busy machine."""
+
+    window_s: NotRequired[NonNegative]
+    cores: NotRequired[PositiveCount]
+    load_1min: NotRequired[list[NonNegative]]  # at the start and at the end
+    mem_available_bytes: NotRequired[list[Bytes | None]]
+    others_cpu_share: NotRequired[NonNegative | None]  # None: /proc/stat unreadable
+    steal_share: NotRequired[NonNegative | None]
+    gpu: NotRequired[list[GpuSample]]
+    gpu_other_processes: NotRequired[Count]
+
+
+@_open
 class Metrics(TypedDict):
     """What an ``ok`` cell measured (:func:`embbench.runner.run_cell`)."""
 
@@ -197,10 +220,10 @@ class Metrics(TypedDict):
     build_seconds: NotRequired[NonNegative]
     step_time_s: StepTimes
     throughput: Throughput
-    threads: NotRequired[PositiveCount]  # intra-op threads per rank
+    threads: NotRequired[Threads]  # intra-op threads per rank (run.threads)
     usable_cores: NotRequired[PositiveCount]  # the cores the ranks could use (affinity, cgroup quota)
     cpu_seconds_per_step: NotRequired[NonNegative]  # every thread of every rank, in the timed steps
-    noise: NotRequired[dict[str, Any]]  # the machine while the steps were timed (embbench.noise.noise_floor)
+    noise: NotRequired[Noise]
     generator_samples_per_s: NotRequired[Positive]
     generator_cuda_graph: NotRequired[bool | None]
     ops_per_step: NotRequired[NonNegative]
@@ -514,11 +537,11 @@ def run_directory_lock(directory: Path) -> Iterator[None]:
         # Never through a link (it would truncate a file elsewhere); O_NONBLOCK: a FIFO put there opens at once.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        kind = _not_regular(path)
+        kind = not_regular(path)
         raise ValueError(f"{path}: cannot create the run directory's lock: "
                          f"{kind + '; remove it' if kind else e.strerror}") from None
     try:
-        kind = _not_regular(path, os.fstat(fd).st_mode)
+        kind = not_regular(path, os.fstat(fd).st_mode)
         if kind:
             raise ValueError(f"{path}: cannot lock the run directory: {kind}; remove it")
         try:
@@ -535,37 +558,11 @@ def run_directory_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _not_regular(path: Path, mode: int | None = None) -> str | None:
-    """What ``path`` is when it is not a regular file (a symbolic link, a FIFO, ...), else None."""
-    if mode is None:
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            return None
-    if stat.S_ISREG(mode):
-        return None
-    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
-             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
-    return "is " + next((name for test, name in kinds.items() if test(mode)), "something else") + ", not a regular file"
-
-
 class RecordError(ValueError):
     """A record file that cannot be used (damaged, foreign, incomplete); the message names it,
     and :func:`load_records` sets ``path`` (so a reader can tell which cell's file it was)."""
 
     path: Path | None = None
-
-
-def schema_error(e: ValidationError) -> str:
-    """The first thing wrong, as ``key.path: what`` (how many more there are, if any)."""
-    errors = e.errors()
-    first = errors[0]
-    if first["type"] == "record_field":  # raised by Record's own validator: the key is in the message
-        text = first["msg"]
-    else:
-        key = ".".join(str(p) for p in first["loc"]) or "record"
-        text = f"{key}: {first['msg']}"
-    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
 
 
 def read_record(path: Path) -> Record:
@@ -575,26 +572,10 @@ def read_record(path: Path) -> Record:
         RecordError: naming the file and what is wrong (unreadable, not JSON, not a record,
             another schema version, the first field that fails the schema, by its key path).
     """
-    if not path.is_file():  # a FIFO would block, a device never end
-        raise RecordError(f"{path}: not a regular file")
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise RecordError(f"{path}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise RecordError(f"{path}: not UTF-8 text; not a result record") from None
-    except json.JSONDecodeError as e:
-        raise RecordError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
-    except RecursionError:
-        raise RecordError(f"{path}: nested too deeply; not a result record") from None
-    if not isinstance(data, dict):
-        raise RecordError(f"{path}: a JSON {type(data).__name__}, not a result record (an object)")
+    data = read_json(path, "result record", RecordError)  # a FIFO, a device, bytes that are not UTF-8 or JSON: named
     if data.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{path}: schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    try:
-        record = Record.model_validate(data)
-    except ValidationError as e:
-        raise RecordError(f"{path}: {schema_error(e)}") from None
+    record = validated(Record, data, path, RecordError)
     from embbench.scenario import cell_slug
 
     if path.name != f"{cell_slug(record.cell_id)}.json":  # edited, or copied over another cell's file

@@ -9,6 +9,7 @@ spec's ``result`` path; a rank that fails writes ``error.rank<r>.json`` beside i
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from embbench.device import resolve_device
 from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, miss_rate, peak_rss_bytes,
                               speed_figures, warmed_up)
 from embbench.model import build_model
+from embbench.outputs import atomic_write
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
 from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
@@ -434,13 +436,12 @@ def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
     _check_finite_values({f"the trained weights of table {i}": t for i, t in enumerate(flushed)})
     if training.env.rank != 0:
         return {"weights_file": None}
+    data = io.BytesIO()
+    torch.save(flushed, data)  # in memory first: torch's writer turns a short write into "unexpected pos N vs M"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:  # through a file object, a full disk is an OSError saying so
-            torch.save(flushed, f)
+        atomic_write(path, lambda f: f.write(data.getbuffer()))  # whole or not at all: no half file to compare
     except OSError as e:
-        if path.is_file():
-            path.unlink()  # no half file for a later comparison to read
         return {"weights_file": None, "weights_not_compared": f"cannot save the flushed weights to {path}: {e.strerror}"}
     return {"weights_file": path.name}
 

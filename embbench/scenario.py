@@ -10,7 +10,6 @@ import hashlib
 import itertools
 import json
 import re
-import stat
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +20,10 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from embbench.bounds import Config, PositiveCount, Seed
+from embbench.bounds import THREADS_MAX, Config, PositiveCount, Rows, Seed, Threads
 from embbench.data.criteo import NUM_TABLES
 from embbench.data.presets import PRESETS, RENAMED_PRESETS, TableSpec
+from embbench.inputs import read_text
 from embbench.model import ModelConfig
 from embbench.optim import DenseOptimizer, EmbeddingOptimizer
 from embbench.precision import DENSE_PRECISIONS, DensePrecision
@@ -64,7 +64,7 @@ def _key_error(key: str, message: str) -> PydanticCustomError:
 class TableConfig(_Strict):
     """One table of a synthetic scenario that names its tables instead of a preset."""
 
-    rows: int = Field(gt=0, description="cardinality (before data.scale)")
+    rows: Rows = Field(description="cardinality (before data.scale)")
     alpha: float | None = Field(None, ge=0, allow_inf_nan=False,
                                 description="Zipf exponent of id popularity (data.alpha if left out)")
     bag_size: int = Field(1, gt=0, description="ids per sample")
@@ -161,7 +161,7 @@ class RunConfig(_Strict):
     compare_weights: bool | Literal["auto"] = Field(
         "auto", description="save flushed weights and compare them with the baseline's ('auto': tables <= 256 MiB)"
     )
-    threads: int | Literal["auto"] = Field(
+    threads: Threads | Literal["auto"] = Field(
         "auto", description="intra-op CPU threads per rank ('auto': the cores this process may use, CPU affinity "
                             "and cgroup quota, divided by the ranks, so ranks x threads never exceeds them)")
     dense_precision: DensePrecision = Field(
@@ -209,8 +209,8 @@ class RunConfig(_Strict):
     @field_validator("threads", mode="before")
     @classmethod
     def _at_least_one_thread(cls, value: Any) -> Any:
-        if isinstance(value, bool) or (isinstance(value, int) and value < 1):
-            raise ValueError(f"must be 'auto' or at least 1, got {value!r}")
+        if isinstance(value, bool) or (isinstance(value, int) and not 1 <= value <= THREADS_MAX):
+            raise ValueError(f"must be 'auto' or from 1 to {THREADS_MAX}, got {value!r}")
         return value
 
     def threads_per_rank(self, world_size: int) -> int:
@@ -261,12 +261,13 @@ class Scenario(_Strict):
 
         return source_tables(self.data)
 
-    def data_source(self, device: torch.device | str):
+    def data_source(self, device: torch.device | str, batches: tuple[int, int] | None = None):
         """The batch source (``.batch(stream, index, batch_size)``); for files, after checking
-        that they hold the rows the run reads."""
+        that they hold the rows the run reads (``batches``: the training and evaluation
+        batches another reader takes)."""
         from embbench.data.sources import open_source
 
-        return open_source(self.data, self.run, device)
+        return open_source(self.data, self.run, device, batches)
 
     def digest(self) -> str:
         """A hash of the effective scenario (after command-line overrides): what a cell's
@@ -448,33 +449,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def read_scenario_text(path: Path) -> str:
-    """The text of a scenario file: a regular, readable UTF-8 file of bounded size.
+    """The text of a scenario file: a regular, readable UTF-8 file of bounded size
+    (:func:`embbench.inputs.read_text`).
 
     Raises:
         ScenarioError: naming the file and what is wrong with it.
     """
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
-    except OSError as e:  # a symlink loop, a name too long, ...
-        raise ScenarioError(f"{path}: cannot open the scenario: {e.strerror}") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise ScenarioError(f"{path}: is a directory, not a scenario file")
-    if not stat.S_ISREG(info.st_mode):
-        raise ScenarioError(f"{path}: not a regular file (a device, FIFO or socket); a scenario is a YAML file")
-    if info.st_size > MAX_SCENARIO_BYTES:
-        raise ScenarioError(f"{path}: {info.st_size:,} bytes; a scenario is at most {MAX_SCENARIO_BYTES:,}")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SCENARIO_BYTES + 1)
-    except OSError as e:
-        raise ScenarioError(f"{path}: cannot read the scenario: {e.strerror}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ScenarioError(f"{path}: line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    return read_text(path, "scenario", MAX_SCENARIO_BYTES, ScenarioError)
 
 
 def read_yaml(path: Path) -> Any:

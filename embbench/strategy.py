@@ -26,6 +26,7 @@ from embbench.bounds import Config
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.optim import EmbeddingOptimizer
+from embbench.row_precision import ROW_PRECISIONS
 
 __all__ = [
     "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
@@ -313,6 +314,11 @@ def _validate(name: str, cls: object, source: str) -> type[Strategy]:
         raise TypeError(f"{where}: class {cls.__name__} declares name {getattr(cls, 'name', None)!r}")
     if not (isinstance(cls.Params, type) and issubclass(cls.Params, StrategyParams)):
         raise TypeError(f"{where}: Params must subclass embbench.strategy.StrategyParams")
+    declared = cls.row_precisions
+    if not (isinstance(declared, (tuple, list, frozenset, set)) and declared
+            and all(isinstance(p, str) and p in ROW_PRECISIONS for p in declared)):
+        raise TypeError(f"{where}: row_precisions must be a non-empty tuple of {', '.join(ROW_PRECISIONS)}; "
+                        f"got {declared!r}")
     return cls
 
 

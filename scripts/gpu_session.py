@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from embbench import launch  # noqa: E402
+from embbench.bounds import positive_flag  # noqa: E402
 from embbench.results import load_records  # noqa: E402
 from embbench.scenario import Cell, Scenario, parse_scenario  # noqa: E402
 
@@ -394,12 +395,15 @@ def _last_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_session.sh", description=__doc__.splitlines()[0])
-    parser.add_argument("seconds", type=float, nargs="?", help="device seconds left to this session (status's budget_left_s)")
+    # A budget is a finite number: NaN would make every budget test false, and cells would start with none.
+    parser.add_argument("seconds", type=positive_flag(float, zero=True), nargs="?",
+                        help="device seconds left to this session (status's budget_left_s)")
     parser.add_argument("--plan", action="store_true", help="print the priority list with estimated device seconds; run nothing")
     parser.add_argument("--rehearse", action="store_true", help="the same sequence on the CPU at a tiny scale")
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_session_out", help="where archives go ($OUT)")
     parser.add_argument("--work", default=os.environ.get("SESSION_DIR") or "/tmp/gpu_session", help="the run folders")
-    parser.add_argument("--spent", type=float, default=0.0, help="seconds already spent (the install)")
+    parser.add_argument("--spent", type=positive_flag(float, zero=True), default=0.0,
+                        help="seconds already spent (the install)")
     parser.add_argument("--install-note", default="", help="how the install went (the ledger's first line)")
     args = parser.parse_args(argv)
     if args.plan:

@@ -49,8 +49,16 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 else
     step 2 "torch is installed: kept"
 fi
-read -r torch_version torch_flavour < <("$venv/bin/python" -c \
-    "import torch; print(torch.__version__.split('+')[0], 'cuda' if torch.version.cuda else 'cpu')" 2>/dev/null)
+# A torch that installs but does not import (a missing system library, a wheel for another CPU) is said so.
+if ! torch_info="$("$venv/bin/python" -c \
+        "import torch; print(torch.__version__.split('+')[0], 'cuda' if torch.version.cuda else 'cpu')" 2>"$venv/torch-import.log")" \
+        || [ -z "$torch_info" ]; then
+    echo "setup_env: $torch_spec is installed in $venv but does not import; its error (also in $venv/torch-import.log):" >&2
+    tail -n 5 "$venv/torch-import.log" >&2
+    echo "setup_env: fix the cause, or set EMBBENCH_TORCH to another spec, or remove $venv, and run again" >&2
+    exit 1
+fi
+read -r torch_version torch_flavour <<<"$torch_info"
 
 # torch minor -> the fbgemm / torchrec release built against it.
 case "${torch_version%.*}" in

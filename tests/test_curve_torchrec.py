@@ -72,7 +72,7 @@ def test_a_file_that_is_not_a_curve_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=f"{bad}: not a curve file"):
         read_curve(bad)
     bad.write_text("{")
-    with pytest.raises(ValueError, match=f"{bad}: not a curve file \\(not JSON"):
+    with pytest.raises(ValueError, match=f"{bad}: not valid JSON \\(line 1\\): .*; not a curve file"):
         curve_constraints(bad)
 
 
@@ -148,4 +148,4 @@ def test_no_torchrec_plan_is_one_line_and_the_exit_code_of_the_answer(plan_run, 
     for flags in ([], ["--torchrec-plan"]):
         assert main(["recommend", str(run), "--device-memory", "16MiB", *flags]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"{run / 'curve.json'}: not a curve file" in err
+        assert err.count("\n") == 1 and f"{run / 'curve.json'}: not valid JSON (line 1)" in err

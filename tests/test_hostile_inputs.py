@@ -21,7 +21,7 @@ import torch
 import yaml
 
 import embbench.launch as launch
-import embbench.scenario as scenario_module
+import embbench.inputs as inputs
 from embbench.cli import main
 from embbench.launch import CellOutcome, RecordsNotWritten, reusable_records, run_cells
 from embbench.results import Record, RecordError, load_records, read_record, write_record
@@ -108,7 +108,7 @@ def test_an_unreadable_scenario_is_named(tmp_path, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(scenario_module, "open", refuse, raising=False)  # root reads a chmod 000 file
+    monkeypatch.setattr(inputs, "open", refuse, raising=False)  # root reads a chmod 000 file (embbench.inputs reads it)
     code, _, err = _cli(capsys, "run", path)
     assert code == 2 and _one_clean_line(err) == f"error: {path}: cannot read the scenario: Permission denied"
 

@@ -54,7 +54,7 @@ def test_damaged_reports_are_refused_naming_file_and_key(tmp_path, changes, mess
 def test_a_file_that_is_not_json_is_refused(tmp_path):
     path = tmp_path / "tbe.json"
     path.write_text('{"T": 2,')
-    with pytest.raises(ValueError, match=f"{path}: not JSON"):
+    with pytest.raises(ValueError, match=f"{path}: not valid JSON \\(line 1\\)"):
         read_tbe_report(path)
 
 

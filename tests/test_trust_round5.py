@@ -348,14 +348,14 @@ def _disk_full_at_sync(monkeypatch):
     monkeypatch.setattr(os, "fsync", full)
 
 
-def test_a_full_disk_for_the_weights_copy_costs_the_comparison_not_the_cell(tmp_path):
+def test_a_full_disk_for_the_weights_copy_costs_the_comparison_not_the_cell(tmp_path, monkeypatch):
     from embbench.runner import run_cell
     from embbench.strategy import RuntimeEnv
 
     scenario, cells = parse_scenario(tiny_scenario(), "t.yaml")
     weights = tmp_path / "weights" / "device@w1.pt"
     weights.parent.mkdir()
-    weights.symlink_to("/dev/full")  # every write: No space left on device
+    _disk_full_at_sync(monkeypatch)  # the copy is written whole or not at all (a link to /dev/full is replaced)
     metrics = run_cell(scenario, cells[0], RuntimeEnv(torch.device("cpu")), weights)
     assert metrics["weights_file"] is None and metrics["step_time_s"]["n"] > 0
     assert metrics["weights_not_compared"] == f"cannot save the flushed weights to {weights}: No space left on device"

@@ -23,13 +23,18 @@ ids of a row share its fate), then the cache is updated. Hit rates are counted p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
+from pydantic import ConfigDict, Field, with_config
+from typing_extensions import TypedDict
 
-__all__ = ["CURVE_FORMAT", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure", "min_hits",
+from embbench.bounds import Count, NonNegative, PositiveCount, Rate
+from embbench.inputs import read_json, validated
+
+__all__ = ["CURVE_FORMAT", "CurveFile", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure", "min_hits",
            "read_curve", "stack_hits", "step_rows", "to_csv"]
 
 
@@ -337,14 +342,82 @@ def _freqcache_line(freqcache, ratios, measured, accesses: int, distinct: int, s
     return line
 
 
+_Ratio = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1)]
+_open = with_config(ConfigDict(extra="allow"))  # a newer embbench may add keys
+
+
+@_open
+class _Line(TypedDict):
+    """A policy's points, one per ratio (None: not measured, freqcache's line only)."""
+
+    hit_rate: list[Rate | None]
+    unique_hit_rate: list[Rate | None]
+    rows_moved_per_step: list[NonNegative | None]
+    bytes_per_step: list[NonNegative | None]
+
+
+@_open
+class _Scope(TypedDict):
+    name: str
+    rows: PositiveCount
+    accesses: Count
+    distinct: Count
+    capacity: list[PositiveCount]
+    policies: dict[str, _Line]
+
+
+@_open
+class CurveFile(TypedDict):
+    """What :func:`measure` writes, with the bounds of :mod:`embbench.bounds`."""
+
+    format: Literal["embbench-curve-1"]
+    ratios: Annotated[list[_Ratio], Field(min_length=1)]
+    policies: Annotated[list[Literal["lru", "lfu", "freqcache", "min"]], Field(min_length=1)]
+    row_bytes: Count
+    warmup_steps: Count
+    counted_steps: PositiveCount
+    tables: Annotated[dict[str, PositiveCount], Field(min_length=1)]
+    scopes: list[_Scope]
+
+
+def _inconsistency(curve: dict) -> tuple[str, str] | None:
+    """The first key where a curve that passes :class:`CurveFile` contradicts itself, and why:
+    its scopes are ``all`` and then each table, every line has a point per ratio, only
+    freqcache's line has gaps."""
+    ratios, tables = curve["ratios"], curve["tables"]
+    if any(b <= a for a, b in zip(ratios, ratios[1:])):
+        return "ratios", f"{ratios} do not ascend"
+    names = [s["name"] for s in curve["scopes"]]
+    if names != ["all", *tables]:
+        return "scopes", f"are {names}; expected all and then each table ({', '.join(tables)})"
+    for i, scope in enumerate(curve["scopes"]):
+        if i and scope["rows"] != tables[scope["name"]]:
+            return f"scopes.{i}.rows", f"{scope['rows']}, tables.{scope['name']} {tables[scope['name']]}"
+        if len(scope["capacity"]) != len(ratios):
+            return f"scopes.{i}.capacity", f"{len(scope['capacity'])} values for {len(ratios)} ratios"
+        if sorted(scope["policies"]) != sorted(curve["policies"]):
+            return f"scopes.{i}.policies", f"are {sorted(scope['policies'])}; the curve's are {curve['policies']}"
+        for policy, line in scope["policies"].items():
+            for key, values in line.items():
+                if key in _Line.__annotations__ and len(values) != len(ratios):
+                    return f"scopes.{i}.policies.{policy}.{key}", f"{len(values)} values for {len(ratios)} ratios"
+                if key in _Line.__annotations__ and policy != "freqcache" and None in values:
+                    return f"scopes.{i}.policies.{policy}.{key}", "null where every ratio was measured"
+    return None
+
+
 def read_curve(path: str | Path) -> dict:
-    """An ``embbench curve`` JSON file; ValueError naming the file where it is not one."""
-    try:
-        curve = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a curve file (not JSON: {e})") from None
-    if not isinstance(curve, dict) or curve.get("format") != CURVE_FORMAT:
-        raise ValueError(f"{path}: not a curve file (format is not {CURVE_FORMAT}; write one with `embbench curve --out`)")
+    """An ``embbench curve`` JSON file, checked as a record is (:mod:`embbench.inputs`, then
+    :class:`CurveFile` and its consistency); ValueError naming the file and the key otherwise."""
+    path = Path(path)
+    hint = "; write one with `embbench curve --out`"
+    curve = read_json(path, "curve file")
+    if curve.get("format") != CURVE_FORMAT:
+        raise ValueError(f"{path}: not a curve file (format is not {CURVE_FORMAT}{hint})")
+    curve = validated(CurveFile, curve, path, hint=f" (a damaged curve file{hint})")
+    wrong = _inconsistency(curve)
+    if wrong:
+        raise ValueError(f"{path}: {wrong[0]}: {wrong[1]} (a damaged curve file{hint})")
     return curve
 
 

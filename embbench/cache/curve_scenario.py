@@ -12,7 +12,6 @@ from rich.text import Text
 from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, measure
 from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream
-from embbench.data.sources import stream_rows
 
 __all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve"]
 
@@ -20,12 +19,13 @@ __all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve"]
 FREQCACHE_PROFILE = 32
 
 
-def _training_batches(scenario):
-    """``i -> training batch i's global rows`` (each batch read once) and each table's rows."""
+def _training_batches(scenario, batches: int):
+    """``i -> training batch i's global rows`` (each batch read once) and each table's rows;
+    files must hold the ``batches`` read (a replay past the end would repeat them)."""
     from embbench.embedding import RowSpace
 
     tables = scenario.tables()
-    source = scenario.data_source(torch.device("cpu"))
+    source = scenario.data_source(torch.device("cpu"), (batches, 0))
     space = RowSpace(tables)
     read: dict[int, np.ndarray] = {}
 
@@ -38,19 +38,6 @@ def _training_batches(scenario):
     return batch_rows, {t.name: t.num_rows for t in tables}
 
 
-def _check_length(scenario, batches: int) -> None:
-    """Files must hold the batches the curve reads (a replay past the end would repeat them)."""
-    data = scenario.data
-    if data.source == "synthetic":
-        return
-    have = stream_rows(data)[Stream.TRAIN] * data.epochs
-    need = batches * data.batch_size
-    if have < need:
-        raise ValueError(f"data.path {data.path}: the training stream has {have:,} rows (data.epochs {data.epochs}); the "
-                         f"curve reads {batches} batches of {data.batch_size} ({need:,} rows): ask for fewer "
-                         "--warmup/--steps")
-
-
 def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: int = 48, steps: int = 64,
                    freqcache_ratios=None) -> dict:
     """The curves of the scenario's first ``warmup + steps`` training batches, counted over the
@@ -59,8 +46,7 @@ def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: i
 
     ``freqcache_ratios``: where freqcache's planner is driven (each a full simulation);
     default the smallest, the middle and the largest of ``ratios``."""
-    _check_length(scenario, warmup + steps)
-    batch_rows, table_rows = _training_batches(scenario)
+    batch_rows, table_rows = _training_batches(scenario, warmup + steps)
     stream = [batch_rows(i) for i in range(warmup + steps)]
     if freqcache_ratios is None:
         ordered = sorted(ratios)
@@ -107,14 +93,17 @@ def curve_tables(curve: dict, worst: int = 3) -> list:
         table.add_row(f"{100 * ratios[i]:.2g}%", f"{everything['capacity'][i]:,}", *(_cell(lines[p], i) for p in curve["policies"]),
                       f"{min(moved) / 2**20:.1f}..{max(moved) / 2**20:.1f}" if moved else "-")
     out: list = [table]
-    policy = "min" if "min" in curve["policies"] else next(p for p in curve["policies"] if p != "freqcache")
+    alone = [p for p in curve["policies"] if p != "freqcache"]  # freqcache has no line per table
+    if not alone:
+        return out
+    policy = "min" if "min" in alone else alone[0]
     middle = shown[len(shown) // 2]
     busy = [s for s in scopes[1:] if s["accesses"] >= 0.01 * everything["accesses"]]
     busy.sort(key=lambda s: s["policies"][policy]["unique_hit_rate"][middle])
     if busy:
         named = ", ".join(f"{s['name']} ({s['rows']:,} rows, {100 * s['accesses'] / everything['accesses']:.0f}% of ids: "
                           + " ".join(f"{p.upper()} {100 * s['policies'][p]['unique_hit_rate'][middle]:.0f}%"
-                                     for p in curve["policies"] if p != "freqcache") + ")"
+                                     for p in alone) + ")"
                           for s in busy[:worst])
         out.append(Text(f"worst tables alone at {100 * ratios[middle]:.2g}% of their rows, per distinct row: {named}"))
     return out

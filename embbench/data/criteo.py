@@ -54,7 +54,7 @@ from embbench.data.synthetic import Stream
 
 __all__ = [
     "CACHE_VERSION", "CriteoDataset", "CriteoSource", "DataCacheError", "DataFormatError", "FULL_CHECK_BYTES",
-    "NUM_TABLES", "ParsedFile", "convert_file", "id_counts", "input_files", "prepare_dataset",
+    "NUM_TABLES", "ParsedFile", "convert_file", "id_counts", "input_files", "pid_alive", "prepare_dataset",
 ]
 
 CACHE_VERSION = 2  # 2: entries carry a manifest; file entries are keyed by path, their fingerprint checked
@@ -345,7 +345,8 @@ def _out_of_range(array: np.ndarray, low: np.ndarray | int, high: np.ndarray | i
     return None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -365,7 +366,7 @@ def _remove_dead_work_dirs(parent: Path) -> None:
         return
     for path in parent.iterdir():
         match = _WORK_DIR.fullmatch(path.name)
-        if match and match.group(2) in (None, _HOST) and not _alive(int(match.group(1))):
+        if match and match.group(2) in (None, _HOST) and not pid_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -110,24 +110,27 @@ def batches_needed(run: "RunConfig") -> tuple[int, int]:
     return run.training_batches_read(), run.eval_batches
 
 
-def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int]) -> None:
+def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int],
+               batches: tuple[int, int] | None = None) -> None:
     """Raise :class:`DataSizeError` if a stream has fewer rows than one batch, or fewer than
-    the run reads (``data.epochs`` times the rows may be read)."""
-    train, evaluation = batches_needed(run)
-    for stream, batches in ((Stream.TRAIN, train), (Stream.EVAL, evaluation)):
-        if batches == 0:
+    the run reads (``data.epochs`` times the rows may be read). ``batches``: the training and
+    evaluation batches another reader takes instead (``curve``, ``trace record``)."""
+    train, evaluation = batches or batches_needed(run)
+    reader = "the run" if batches is None else "this command"
+    for stream, count in ((Stream.TRAIN, train), (Stream.EVAL, evaluation)):
+        if count == 0:
             continue
-        have, need = rows[stream], batches * data.batch_size
+        have, need = rows[stream], count * data.batch_size
         name = stream.name.lower()
-        what = (f"{batches} batches of {data.batch_size}" if stream == Stream.EVAL else
+        what = (f"{count} batches of {data.batch_size}" if stream == Stream.EVAL or batches is not None else
                 f"warm-up, {run.steps} steps x {run.repeats} repeats, a few untimed steps and one prefetched batch: "
-                f"{batches} batches of {data.batch_size}")
+                f"{count} batches of {data.batch_size}")
         if have < data.batch_size:
             raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows, fewer than one batch "
                                 f"(data.batch_size {data.batch_size})")
         if have * data.epochs < need:
             epochs = -(-need // have)
-            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows; the run needs {need:,} "
+            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows; {reader} needs {need:,} "
                                 f"({what}). Set data.epochs: {epochs} to read it {epochs} times, or ask for fewer steps")
 
 
@@ -139,13 +142,15 @@ def stream_rows(data: "DataConfig") -> dict[Stream, int]:
     return {s: trace.samples(s) for s in Stream}
 
 
-def open_source(data: "DataConfig", run: "RunConfig", device: torch.device | str):
-    """The batch source of a scenario, after checking that its data is long enough."""
+def open_source(data: "DataConfig", run: "RunConfig", device: torch.device | str,
+                batches: tuple[int, int] | None = None):
+    """The batch source of a scenario, after checking that its data holds what the run reads
+    (or ``batches``: the training and evaluation batches another reader takes)."""
     tables = source_tables(data)
     if data.source == "synthetic":
         drift = {} if data.drift is None else {"drift_every": data.drift.every, "drift_fraction": data.drift.fraction}
         return SyntheticCriteo(tables, run.seed, device, **drift)
-    check_rows(data, run, stream_rows(data))
+    check_rows(data, run, stream_rows(data), batches)
     if data.source == "criteo_tsv":
         return CriteoSource(criteo_dataset(data), device)
     return TraceSource(load_trace(data.path), run.seed, device)

@@ -13,10 +13,12 @@ section built here draws ids from embbench's generator with each table's Zipf ex
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict
+
+from embbench.bounds import Finite, Positive, PositiveCount, Rows
+from embbench.inputs import read_json, validated
 
 __all__ = ["NOT_REPRODUCED", "TbeReport", "read_tbe_report", "synthetic_data"]
 
@@ -24,51 +26,49 @@ NOT_REPRODUCED = ("fbgemm's Zipf offset q and its heavy hitters are not reproduc
                   "from a Zipf of exponent s over ranks")
 
 
+# The bounds of a scenario's data section (embbench.bounds), each list item's too: a report
+# that passes makes a section that `run` takes.
+
+
 class _Fields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 class _Indices(_Fields):
-    heavy_hitters: list[float] = []
-    zipf_q: float = Field(gt=0)
-    zipf_s: float = Field(gt=0)
+    heavy_hitters: list[Finite] = []
+    zipf_q: Positive
+    zipf_s: Positive
 
 
 class _Batch(_Fields):
-    B: int = Field(gt=0)
+    B: PositiveCount
 
 
 class _Pooling(_Fields):
-    L: float = Field(gt=0)
-    Ls: list[float] | None = None
+    L: Positive
+    Ls: list[Positive] | None = None
 
 
 class TbeReport(_Fields):
     """The fields of fbgemm's ``TBEDataConfig`` JSON that a synthetic section needs."""
 
-    T: int = Field(gt=0)
-    E: int = Field(gt=0)
-    D: int = Field(gt=0)
+    T: PositiveCount
+    E: Rows
+    D: PositiveCount
     batch_params: _Batch
     indices_params: _Indices
     pooling_params: _Pooling
-    Es: list[int] | None = None
-    Ds: list[int] | None = None
+    Es: list[Rows] | None = None
+    Ds: list[PositiveCount] | None = None
     indices_params_list: list[_Indices] | None = None
 
 
 def read_tbe_report(path: str | Path) -> TbeReport:
-    """One report; ValueError naming the file and the key where it is damaged."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
-    try:
-        report = TbeReport.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the file"
-        raise ValueError(f"{path}: {where}: {first['msg']} (not an fbgemm TBE input report?)") from None
+    """One report, read as every user file is (:mod:`embbench.inputs`); ValueError naming the
+    file and the key where it is damaged."""
+    path = Path(path)
+    report = validated(TbeReport, read_json(path, "TBE input report"), path,
+                       hint=" (not an fbgemm TBE input report?)")
     for key in ("Es", "Ds", "indices_params_list"):
         values = getattr(report, key)
         if values is not None and len(values) != report.T:

@@ -30,6 +30,7 @@ import torch
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
 from embbench.data.synthetic import Stream, _hash_effect, _mix
+from embbench.inputs import user_file
 from embbench.outputs import atomic_write
 
 __all__ = ["TRACE_FORMAT", "Trace", "TraceError", "TraceSource", "bags_in_order", "is_trace", "record_trace"]
@@ -87,10 +88,7 @@ def record_trace(source, num_rows: list[int], batch_size: int, train_batches: in
             arrays[f"{name}_dense"] = np.concatenate(dense)
         written[name] = count * batch_size
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        atomic_write(out, lambda f: np.savez(f, **arrays))  # a full disk leaves no half trace
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write the trace: {e.strerror}", str(out)) from None
+    atomic_write(out, lambda f: np.savez(f, **arrays), "the trace")  # a full disk leaves no half trace
     return written
 
 
@@ -139,13 +137,11 @@ class Trace:
     def _read(self) -> dict[str, np.ndarray]:
         """Every array of the file; a TraceError naming the file when it is missing, empty,
         truncated (a partial copy) or not an .npz at all."""
-        if self.path.is_file() and self.path.stat().st_size == 0:
+        if user_file(self.path, "trace", None, TraceError) == 0:  # a FIFO is refused, never opened
             raise TraceError(f"{self.path}: an empty file (0 bytes), not an .npz trace")
         try:
             with np.load(self.path, allow_pickle=False) as data:
                 return {k: data[k] for k in data.files}
-        except FileNotFoundError:
-            raise TraceError(f"{self.path}: no such trace file") from None
         except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # a partial copy: the zip or a member cut short
             raise TraceError(f"{self.path}: truncated or damaged .npz trace ({e})") from None
         except (OSError, ValueError) as e:
