@@ -12,7 +12,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer, aggregate_rows, aggregate_rows_padded
-from embbench.row_update import update_valid_rows
+from embbench.row_update import triton_problem, update_valid_rows
 from embbench.row_precision import RowType, row_type, uniform_keyed
 
 __all__ = ["RoundedRowStore", "RowSpace", "RowStore", "WORK_COUNTERS", "per_sample", "pooled_lookup", "stored_rows",
@@ -143,8 +143,6 @@ class RowStore:
     def _kernel_updates(self, device: torch.device) -> bool:
         if self.update_kernel is not None:
             return self.update_kernel
-        from embbench.cache.row_copy import triton_problem  # (embbench.cache imports this module)
-
         return type(self) is RowStore and self.weights.dtype == torch.float32 and triton_problem(device) is None
 
     def _count(self, entries, entries_max_per_row, ids_max_per_row) -> None:

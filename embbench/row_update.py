@@ -17,11 +17,14 @@ interpreter (``TRITON_INTERPRET=1``, the tests).
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
 from torch import Tensor
 
 from embbench.optim import EmbeddingOptimizer
 
-__all__ = ["update_valid_rows"]
+__all__ = ["triton_problem", "update_valid_rows"]
 
 #: Entries and columns of one program's tile.
 _ROWS, _COLS = 16, 64
@@ -63,6 +66,16 @@ def _triton_kernel():
 
         _kernel = update_rows
     return _kernel
+
+
+def triton_problem(device: torch.device) -> str | None:
+    """Why embbench's Triton kernels (this update, freqcache's row moves) cannot run compiled on
+    ``device``, or None."""
+    if device.type != "cuda":
+        return "not on CUDA"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
 
 
 def update_valid_rows(optimizer: EmbeddingOptimizer, weights: Tensor, state: Tensor, rows: Tensor, grads: Tensor,

@@ -35,21 +35,36 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(row_update, "_kernel", None)
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def kernel_device(request, monkeypatch):
+    """Where the kernel runs: in the interpreter on the CPU, compiled on CUDA (the GPU session)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(row_update, "_kernel", None)
+    yield torch.device(request.param)
+    monkeypatch.setattr(row_update, "_kernel", None)
+
+
 @needs_triton
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # set once
 @given(ids=st.lists(st.integers(0, 24), min_size=1, max_size=60), dim=st.sampled_from([1, 5, 64, 70]),
        opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), seed=st.integers(0, 2**16))
-def test_the_triton_update_is_torch_s_on_the_distinct_rows_and_touches_no_other(ids, dim, opt_type, seed, interpreted):
+def test_the_triton_update_is_torch_s_on_the_distinct_rows_and_touches_no_other(ids, dim, opt_type, seed,
+                                                                                kernel_device):
     g = torch.Generator().manual_seed(seed)
     opt = EmbeddingOptimizer(type=opt_type, lr=0.3)
-    weights, state = torch.randn(25, dim, generator=g), torch.rand(25, opt.state_width, generator=g)
-    agg = aggregate_rows_padded(torch.tensor(ids), torch.randn(len(ids), dim, generator=g))
+    weights = torch.randn(25, dim, generator=g).to(kernel_device)
+    state = torch.rand(25, opt.state_width, generator=g).to(kernel_device)
+    agg = aggregate_rows_padded(torch.tensor(ids, device=kernel_device),
+                                torch.randn(len(ids), dim, generator=g).to(kernel_device))
     expected_w, expected_s = weights.clone(), state.clone()
     opt.update(expected_w, expected_s, agg.rows, agg.grads)  # torch, padding included
     row_update.update_valid_rows(opt, weights, state, agg.rows, agg.grads, agg.distinct)
     torch.testing.assert_close(weights, expected_w, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(state, expected_s, rtol=1e-6, atol=1e-7)
-    untouched = torch.ones(25, dtype=torch.bool)
+    untouched = torch.ones(25, dtype=torch.bool, device=kernel_device)
     untouched[agg.rows] = False
     assert torch.equal(weights[untouched], expected_w[untouched])  # bit for bit: never written
 

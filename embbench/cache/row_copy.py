@@ -17,10 +17,10 @@ and their float32 extras alike (a packed host row is a whole number of words: se
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import Tensor
+
+from embbench.row_update import triton_problem
 
 __all__ = ["move_rows", "triton_problem", "words"]
 
@@ -75,15 +75,6 @@ def _triton_kernel():
 
         _kernel = move_rows
     return _kernel
-
-
-def triton_problem(device: torch.device) -> str | None:
-    """Why the Triton copies cannot run on ``device``, or None."""
-    if device.type != "cuda":
-        return "not on CUDA"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    return None
 
 
 def words(t: Tensor) -> Tensor:
