@@ -570,12 +570,12 @@ def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int
     return out
 
 
-def _precision_pairs(runs):
+def _precision_pairs(runs, threshold: float | None):
     """``--match-on strategy``: in each run, every cell whose rows are not fp32 against the same
     strategy, parameters and world size in fp32."""
     from embbench.compare import ALPHA, compare_precisions
 
-    pairs = [(run, compare_precisions(run.records, ALPHA)) for run in runs]
+    pairs = [(run, compare_precisions(run.records, ALPHA, threshold)) for run in runs]
     if not any(cells for _, cells in pairs):
         raise ValueError(f"--match-on strategy: no cell with rows in fp16, bf16 or fp8 in {', '.join(r.label for r in runs)} "
                          "(run.row_precision)")
@@ -589,7 +589,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
     runs = _load_runs(args.runs, need_records=False)  # a candidate whose records are all damaged fails the gate
-    pairs = compare_runs(runs, ALPHA) if args.match_on == "cell" else _precision_pairs(runs)
+    pairs = compare_runs(runs, ALPHA, threshold) if args.match_on == "cell" else _precision_pairs(runs, threshold)
     failures, undecided = [], []
     for run, cells in pairs:
         found = regressions(cells, threshold, run) if threshold is not None else []

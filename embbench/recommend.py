@@ -86,6 +86,8 @@ class Candidate:
     interval: tuple[float, float] | None = None
     #: why this cell's speed is not to be bet on (a busy machine, a wide interval)
     flags: list[str] = field(default_factory=list)
+    #: why its speed is not judged against the best's (:func:`embbench.compare.judge`), or None
+    not_judged: str | None = None
     #: the type its rows are stored in (``run.row_precision``)
     row_precision: str = "fp32"
 
@@ -198,7 +200,7 @@ def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
     """Why the winner may not be the winner: a runner-up whose interval reaches it (not slower
     beyond noise), or a winner measured on a busy machine or with a wide interval."""
     out = []
-    close = [c for c in runners_up if c.interval is None or c.interval[1] >= 1]
+    close = [c for c in runners_up if not c.significant]  # the verdict of the runners-up column
     if close:
         out.append(f"{best.cell_id} is not faster beyond noise than " + ", ".join(
             c.cell_id + ("" if c.interval is None else f" ({100 * (c.interval[0] - 1):+.0f}% to {100 * (c.interval[1] - 1):+.0f}%)")
@@ -261,8 +263,9 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
             metrics = {r.cell_id: r.metrics for r in mine}
             for c in rec.runners_up:
                 c.relative_to_best = c.throughput / rec.best.throughput - 1
-                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha)
-                c.p_value, c.significant, c.interval = test.p_value, test.significant, test.interval
+                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha, names=("the best", "this cell"))
+                c.p_value, c.significant, c.interval, c.not_judged = (test.p_value, test.significant, test.interval,
+                                                                      test.not_judged)
             rec.caveats += _winner_caveats(rec.best, rec.runners_up)
         else:
             needs = [rows[r.cell_id]["device_bytes"] for r in mine if r.status == "ok"]
