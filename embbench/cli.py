@@ -535,7 +535,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(Text(f"cache curve: {curve_file} (a ratio to measure next stops at its knee)", style="dim"))
     recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve)
-    plans = {r.world_size: _torchrec_plan(records, curve_file, budget.device_bytes, r.world_size)
+    plans = {r.world_size: _torchrec_plan(records, curve_file, budget, r.world_size)
              for r in recs} if args.torchrec_plan else {}
     if args.json:
         print(json.dumps([{**dataclasses.asdict(r), **({"torchrec_plan": plans[r.world_size]} if plans else {})}
@@ -547,10 +547,14 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int) -> dict:
-    """``recommend --torchrec-plan``: torchrec's planner on the run's tables at the budget, with
-    the curve's statistics; where it cannot plan, why (the answer is still embbench's)."""
-    out = {"world_size": world_size, "device_bytes_per_rank": device_bytes, "tables": None, "unavailable": None}
+def _torchrec_plan(records, curve_file: Path, budget, world_size: int) -> dict:
+    """``recommend --torchrec-plan``: torchrec's planner on the run's tables at the budget (the
+    host: ``--host-memory``, else this machine's memory), with the curve's statistics; where it
+    cannot plan, why (the answer is still embbench's)."""
+    device_bytes = budget.device_bytes
+    host_bytes = budget.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = {"world_size": world_size, "device_bytes_per_rank": device_bytes, "host_bytes": host_bytes, "tables": None,
+           "unavailable": None}
     config = next((r.scenario for r in records if r.scenario.get("config")), None)
     try:
         if not curve_file.exists():
@@ -562,7 +566,7 @@ def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int
 
         scenario, _ = parse_scenario(config["config"], config.get("file", "<record>"))
         tables = plan_tables(scenario.tables(), curve_file, device_bytes, world_size,
-                             max(1, scenario.data.batch_size // world_size))
+                             max(1, scenario.data.batch_size // world_size), host_bytes=host_bytes)
         out["tables"] = [dataclasses.asdict(t) for t in tables]
     except Exception as e:  # noqa: BLE001 - torchrec missing or its planner refusing must not cost the answer
         first = (str(e).strip().splitlines() or [""])[0]

@@ -129,6 +129,22 @@ def _family(record: Record) -> str:
     return f"{record.strategy}[{rest}{',' if rest else ''}{CACHE_RATIO}=?]@w{record.world_size}"
 
 
+def _fixed_overhead(family: str, fixed: float, slope: float, ratio: float, whole: Record, whole_bytes: int,
+                    all_rows: float | None) -> str:
+    """Why a cache costs more device memory than no cache at this scale: its fixed part (state
+    that does not shrink with the cache) exceeds every table on the device; and, where the
+    records say how many rows the tables have, from how many rows the cache pays."""
+    text = (f"{family}: about {format_bytes(fixed)} of its device memory is fixed (it does not shrink with "
+            f"{CACHE_RATIO}), more than every table on the device ({format_bytes(whole_bytes)}, {whole.cell_id}): "
+            "at this scale the cache costs more device memory than no cache")
+    if all_rows:  # per row of the tables: the device's bytes against the cache's at ``ratio``
+        saved = whole_bytes / all_rows - slope / all_rows * ratio
+        if saved > 0:
+            text += (f"; at {CACHE_RATIO}={ratio:g} it needs less than {whole.strategy} from about "
+                     f"{_round_down(fixed / saved):,.0f} rows (these tables have {all_rows:,.0f})")
+    return text
+
+
 def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], budget: Budget,
                        winner: str | None, run_dir: str, curve: dict | None = None) -> tuple[list[Suggestion], list[str]]:
     """For each family of cells that differ only in ``cache_ratio``: the largest ratio whose
@@ -139,6 +155,8 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
     from embbench.cache.curve import knee  # only with a curve
 
     knee_point = knee(curve) if curve else None
+    # the cell that holds every table on the device (the baseline), for what a cache's fixed part costs
+    whole = next((r for r in records if r.strategy == r.baseline and r.status == "ok" and r.row_precision == "fp32"), None)
     families: dict[str, list[Record]] = {}
     for r in records:
         if r.status == "ok" and isinstance(r.params.get(CACHE_RATIO), (int, float)):
@@ -162,14 +180,20 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
             notes.append(f"{family}: device memory does not grow with {CACHE_RATIO} in these records; cannot size a cache")
             continue
         sized = next((r for r in members if rows[r.cell_id].get("capacity_rows") and r.params[CACHE_RATIO]), None)
-        if sized:  # rows a ratio of 1 would cache, from a cell that says how many rows it caches
-            all_rows = rows[sized.cell_id]["capacity_rows"] / sized.params[CACHE_RATIO]
+        all_rows = rows[sized.cell_id]["capacity_rows"] / sized.params[CACHE_RATIO] if sized else None
+        if all_rows:  # rows a ratio of 1 would cache, from a cell that says how many rows it caches
             basis += f"; about {slope / all_rows:,.0f} bytes per cached row"
+        if whole and fixed > rows[whole.cell_id]["device_bytes"]:
+            notes.append(_fixed_overhead(family, fixed, slope, min(ratios), whole, rows[whole.cell_id]["device_bytes"],
+                                         all_rows))
         best_ratio = (budget.device_bytes - fixed) / slope
         if best_ratio <= 0:
             notes.append(f"{family}: its fixed device memory (about {format_bytes(fixed)}) exceeds the budget at any {CACHE_RATIO}")
             continue
-        best_ratio = min(best_ratio, 1.0)
+        if best_ratio >= 1:  # a cache of every row is every table on the device
+            notes.append(f"{family}: the budget holds a cache of every row ({CACHE_RATIO}=1): with every table on the "
+                         f"device no cache is needed; that is `{members[0].baseline}`" + ("" if whole else ": measure it"))
+            continue
         fits = need <= budget.device_bytes
         if fits.any():
             largest = max((r for r, f in zip(members, fits) if f), key=lambda r: r.params[CACHE_RATIO])
@@ -177,7 +201,7 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
                 continue  # covered: a measured cache fits, and a larger one would not change the answer
         ratio = _round_down(best_ratio)
         if knee_point and knee_point[0] < ratio:
-            ratio = knee_point[0]
+            ratio = _round_down(knee_point[0])
             basis += (f"; the cache curve's knee: MIN hits {100 * knee_point[1]:.1f}% of distinct rows at {ratio:g}, "
                       f"a larger cache gains little")
         scenario = members[0].scenario.get("file", "SCENARIO.yaml")

@@ -335,7 +335,9 @@ def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], bud
         tables = plan["tables"]
         console.print()
         table = Table(title=Text(f"torchrec's plan at {world} rank(s), {format_bytes(budget.device_bytes)} device memory "
-                                 "per rank", style="bold"), title_justify="left", header_style="bold",
+                                 f"per rank, {format_bytes(plan['host_bytes'])} host memory"
+                                 + ("" if budget.host_bytes else " (this machine's: --host-memory sets it)"),
+                                 style="bold"), title_justify="left", header_style="bold",
                       caption="torchrec's EmbeddingShardingPlanner and EmbeddingOffloadScaleupProposer, with the cache "
                               "curve's LRU miss rates; rows in fp32; device MiB: its storage estimate (an estimate, not "
                               "measured)")

@@ -210,3 +210,42 @@ def test_recommend_reads_the_curve_file_beside_the_run(tmp_path, capsys):
     (run / "curve.json").write_text("{}")
     assert main(["recommend", str(run), "--device-memory", "100MiB"]) == 2
     assert f"{run / 'curve.json'}: not a curve file" in capsys.readouterr().err
+
+
+# -- issue 41: advice that fits the budget ------------------------------------------------------
+
+
+def test_a_budget_that_holds_every_row_suggests_no_cache_but_the_tables_on_the_device():
+    """16 GiB against a few MiB of tables: a cache_ratio=1 cache is every table on the device."""
+    records = [make_record("device", step_times=[0.005] * 12, device_bytes=2 * MiB),
+               _cache(0.01, 0.02, 20 * MiB), _cache(0.02, 0.01, 30 * MiB)]
+    (rec,) = recommend(records, Budget(16 << 30))
+    assert rec.suggestions == []
+    assert ("freqcache[policy=lfu,cache_ratio=?]@w1: the budget holds a cache of every row (cache_ratio=1): with every "
+            "table on the device no cache is needed; that is `device`") in rec.notes
+
+
+def test_a_ratio_at_the_curves_knee_has_two_significant_digits():
+    records = [make_record("cpu", step_times=[0.05] * 12, device_bytes=0), _cache(0.01, 0.02, 20 * MiB),
+               _cache(0.011, 0.01, 21 * MiB)]
+    curve = _curve([0.1, 0.5, 0.9, 0.92, 0.93, 0.94])
+    curve["ratios"] = [0.0012345, 0.0076324, 0.0211111, 0.05, 0.1, 0.2]
+    (rec,) = recommend(records, Budget(100 * MiB), curve=curve)
+    (s,) = rec.suggestions
+    assert s.cache_ratio == 0.021 and "0.021 to freqcache's cache_ratio" in s.edit
+
+
+def test_a_cache_whose_fixed_part_exceeds_every_table_says_it_and_from_how_many_rows_it_pays():
+    """The smoke's freqcache: 2.72 MiB of planner state against 2.19 MiB of tables."""
+    device = make_record("device", step_times=[0.005] * 12, device_bytes=2 * MiB)
+    # 3 MiB fixed + 1 MiB per unit ratio; 100,000 rows (capacity 1,000 at 0.01): 21 bytes a row on the device
+    caches = [_cache(0.01, 0.02, 3 * MiB + MiB // 100, extra={"capacity_rows": 1000}), _cache(0.1, 0.01, 3 * MiB + MiB // 10)]
+    (rec,) = recommend([device, *caches], Budget(1 << 30))
+    (note,) = [n for n in rec.notes if "is fixed" in n]
+    assert note.startswith("freqcache[policy=lfu,cache_ratio=?]@w1: about 3.00 MiB of its device memory is fixed (it does "
+                           "not shrink with cache_ratio), more than every table on the device (2.00 MiB, device@w1): at "
+                           "this scale the cache costs more device memory than no cache; at cache_ratio=0.01 it needs "
+                           "less than device from about ")
+    rows = float(note.split("from about ")[1].split(" rows")[0].replace(",", ""))
+    # 3 MiB / (2 MiB / 1e5 - 1 MiB / 1e5 * 0.01) rows, to two digits
+    assert rows == pytest.approx(3 * MiB / (2 * MiB / 1e5 - MiB / 1e5 * 0.01), rel=0.01)
