@@ -17,15 +17,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from embbench.columns import flat_row, speed
+from embbench.columns import flat_row, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
-from embbench.results import Record
+from embbench.results import EVAL_DIR, Record, RecordError, read_eval_scores
+from embbench.stats import AucComparison, delong
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
            "recommend"]
@@ -220,6 +222,36 @@ def accuracy_reference(records: list[Record]) -> Record | None:
     return next((r for r in measured if r.row_precision == "fp32"), measured[0] if measured else None)
 
 
+def _auc_test(reference: Record, record: Record, run_dir: str) -> AucComparison | None:
+    """``record``'s AUC against ``reference``'s: DeLong's test on the same evaluation samples
+    (the run's ``eval/`` files); where they are missing, the two standard errors the records
+    hold, unpaired (wider than the paired one); None where neither is there."""
+    files = [get(x.metrics, "accuracy", "eval_file") for x in (reference, record)]
+    try:
+        if all(files):
+            (a, labels_a), (b, labels_b) = (read_eval_scores(Path(run_dir) / EVAL_DIR / f) for f in files)
+            if np.array_equal(labels_a, labels_b):
+                return delong(labels_a, a, b)
+    except RecordError:
+        pass
+    aucs = [get(x.metrics, "accuracy", "auc") for x in (reference, record)]
+    errors = [get(x.metrics, "accuracy", "auc_standard_error") for x in (reference, record)]
+    if None in aucs or None in errors:
+        return None
+    from embbench.optional import require
+
+    se = math.hypot(*errors)
+    norm = require("scipy.stats", "the comparison of AUCs").norm
+    return AucComparison(aucs[0], aucs[1], se, float(2 * norm.sf(abs(aucs[1] - aucs[0]) / se)) if se else 1.0,
+                         samples=get(record.metrics, "accuracy", "eval_samples"))
+
+
+def _auc_noise_text(test: AucComparison) -> str:
+    how = "DeLong" if test.paired else "unpaired standard errors"
+    return (f"±{test.standard_error:.4f}, p={test.p_value:.2g}, {how} on the same "
+            + (f"{test.samples:,} " if test.samples else "") + "evaluation samples")
+
+
 def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
     """Why the winner may not be the winner: a runner-up whose interval reaches it (not slower
     beyond noise), or a winner measured on a busy machine or with a wide interval."""
@@ -243,7 +275,8 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
 
     A cell is left out when it did not finish (its status), when its memory exceeds the
     budget (by how much), or when its AUC is below the baseline's at the same world size
-    by more than ``auc_tolerance``.
+    by more than ``auc_tolerance`` and beyond its sampling error (:func:`_auc_test`; a drop
+    within it is a note, not a reason).
     """
     rows = {r.cell_id: flat_row(r) for r in records}
     out = []
@@ -271,8 +304,16 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                 why.append(f"needs {format_bytes(row['host_bytes_all_ranks'])} host memory, "
                            f"{format_bytes(row['host_bytes_all_ranks'] - budget.host_bytes)} over the budget")
             if base_auc is not None and row["auc"] is not None and row["auc"] < base_auc - auc_tolerance:
-                why.append(f"AUC {row['auc']:.4f} is {base_auc - row['auc']:.4f} below the baseline's {base_auc:.4f} "
-                           f"(tolerance {auc_tolerance:g})")
+                drop = (f"AUC {row['auc']:.4f} is {base_auc - row['auc']:.4f} below the baseline's {base_auc:.4f} "
+                        f"(tolerance {auc_tolerance:g})")
+                test = _auc_test(base, r, run_dir)
+                if test is None:
+                    why.append(drop + ", not weighed against its sampling error (no evaluation scores in the records)")
+                elif test.p_value < alpha:
+                    why.append(f"{drop}, beyond its sampling error ({_auc_noise_text(test)})")
+                else:
+                    rec.notes.append(f"{r.cell_id}: {drop}, within its sampling error ({_auc_noise_text(test)}): "
+                                     "not left out")
             if why:
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:

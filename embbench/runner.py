@@ -29,6 +29,7 @@ from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, 
                               speed_figures, warmed_up)
 from embbench.model import build_model
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
+from embbench.results import EVAL_SCORES
 from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
@@ -390,7 +391,24 @@ def _evaluate(training: _Training, report: "_Progress") -> dict[str, Any]:
         _check_finite_values({"the evaluation logits": all_logits})
         auc, logloss, no_auc = auc_logloss(all_logits, all_labels)
         accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel(), **({"auc_missing": no_auc} if no_auc else {}))
+        if auc is not None:
+            accuracy.update(_auc_noise(all_logits, all_labels))
+        if env.rank == 0:  # the launcher moves them into the run's eval/ folder (EVAL_SCORES)
+            accuracy[EVAL_SCORES] = {"scores": all_logits.float().cpu().flatten().tolist(),
+                                     "labels": all_labels.cpu().flatten().int().tolist()}
     return accuracy
+
+
+def _auc_noise(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """The AUC's standard error over the evaluation samples (DeLong), where scipy is installed."""
+    from embbench.optional import MissingDependency
+    from embbench.stats import auc_standard_error
+
+    try:
+        return {"auc_standard_error": auc_standard_error(labels.cpu().flatten().numpy(),
+                                                         logits.float().cpu().flatten().numpy())}
+    except MissingDependency:
+        return {}
 
 
 def _loss_course(losses: list[torch.Tensor]) -> dict[str, Any]:

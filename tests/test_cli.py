@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from embbench.scenario import load_scenario
@@ -84,6 +85,16 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(p.read_text()) for p in (tmp_path / "run").glob("*.json")]
     assert len(records) == 4 and all(r["status"] == "ok" and 0 < r["metrics"]["accuracy"]["auc"] < 1 for r in records)
+    # each cell's evaluation scores beside the records, on the same samples (issue 41: recommend's DeLong test)
+    from embbench.results import read_eval_scores
+    from embbench.stats import auc_standard_error
+
+    scored = [read_eval_scores(tmp_path / "run" / "eval" / r["metrics"]["accuracy"]["eval_file"]) for r in records]
+    for r, (scores, labels) in zip(records, scored):
+        accuracy = r["metrics"]["accuracy"]
+        assert len(labels) == accuracy["eval_samples"] and (labels == scored[0][1]).all()
+        assert accuracy["auc_standard_error"] == pytest.approx(auc_standard_error(labels, scores))
+        assert "eval_scores" not in accuracy
     assert list(cache.glob("files/train.txt-*/meta.json")), "the parsed file is kept in --data-cache"
 
     trace = tmp_path / "ids.npz"
