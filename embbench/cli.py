@@ -356,7 +356,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     claim_output(Path(args.out), "--out", "embbench trace record", is_trace, args.overwrite)
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     _prepare_data(args.scenario, scenario, _data_cache(args))
-    train, evaluation = batches_needed(scenario.run)
+    train, evaluation = batches_needed(scenario.data, scenario.run)
     train = args.train_batches or train
     evaluation = args.eval_batches if args.eval_batches is not None else evaluation
     tables = scenario.tables()

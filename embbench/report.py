@@ -10,7 +10,7 @@ from rich.text import Text
 
 from embbench.columns import baseline_throughputs, device_need_bytes, speed
 from embbench.compare import METRICS, CellComparison, Delta, Significance
-from embbench.metrics import unstable_training
+from embbench.metrics import too_few_eval_samples, unstable_training
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
 from embbench.table_view import Column, Grid, Row, View, print_grid
@@ -177,7 +177,8 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
         elif r.status == "ok" and r.metrics:
-            why_not = speed(r.metrics).flags + [w for w in [unstable_training(r.metrics.get("accuracy"))] if w]
+            accuracy = r.metrics.get("accuracy")
+            why_not = speed(r.metrics).flags + [w for w in (unstable_training(accuracy), too_few_eval_samples(accuracy)) if w]
             if why_not:
                 console.print(Text(f"{r.cell_id}: {'; '.join(why_not)}", style="yellow"))
 

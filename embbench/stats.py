@@ -152,10 +152,13 @@ def _delong_components(labels, scores):
 
 
 def auc_standard_error(labels, scores) -> float:
-    """The standard error of one AUC over its evaluation samples (DeLong's variance)."""
+    """The standard error of one AUC over its evaluation samples (DeLong's variance); NaN
+    where a label occurs once (no variance to estimate)."""
     import numpy as np
 
     _, v10, v01 = _delong_components(labels, scores)
+    if min(v10.shape[1], v01.shape[1]) < 2:
+        return math.nan
     return float(np.sqrt(v10.var(ddof=1) / v10.shape[1] + v01.var(ddof=1) / v01.shape[1]))
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from embbench.scenario import DataConfig, RunConfig
 
 __all__ = ["CACHE_ENV", "DataSizeError", "batches_needed", "check_rows", "criteo_dataset", "data_cache_dir",
-           "load_trace", "open_source", "source_tables"]
+           "eval_batches", "load_trace", "open_source", "source_tables"]
 
 #: The environment variable that carries ``--data-cache`` to the cells' processes.
 CACHE_ENV = "EMBBENCH_DATA_CACHE"
@@ -105,30 +105,35 @@ def source_tables(data: "DataConfig") -> list[TableSpec]:
             for i, (n, bag) in enumerate(zip(trace.num_rows, trace.bag_sizes()))]
 
 
-def batches_needed(run: "RunConfig") -> tuple[int, int]:
+def eval_batches(data: "DataConfig", run: "RunConfig") -> int:
+    """The evaluation batches a run reads: ``run.eval_batches``, at most as many whole batches
+    as the held-out rows hold, so that each is scored once (``data.epochs`` repeats the
+    training rows only; the last rows, fewer than a batch, are not scored)."""
+    if data.source == "synthetic":
+        return run.eval_batches
+    return min(run.eval_batches, stream_rows(data)[Stream.EVAL] // data.batch_size)
+
+
+def batches_needed(data: "DataConfig", run: "RunConfig") -> tuple[int, int]:
     """Training and evaluation batches a run reads (at most: with a profile, and the longest warm-up)."""
-    return run.training_batches_read(), run.eval_batches
+    return run.training_batches_read(), eval_batches(data, run)
 
 
 def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int]) -> None:
-    """Raise :class:`DataSizeError` if a stream has fewer rows than one batch, or fewer than
-    the run reads (``data.epochs`` times the rows may be read)."""
-    train, evaluation = batches_needed(run)
-    for stream, batches in ((Stream.TRAIN, train), (Stream.EVAL, evaluation)):
-        if batches == 0:
-            continue
-        have, need = rows[stream], batches * data.batch_size
-        name = stream.name.lower()
-        what = (f"{batches} batches of {data.batch_size}" if stream == Stream.EVAL else
-                f"warm-up, {run.steps} steps x {run.repeats} repeats, a few untimed steps and one prefetched batch: "
-                f"{batches} batches of {data.batch_size}")
-        if have < data.batch_size:
-            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows, fewer than one batch "
-                                f"(data.batch_size {data.batch_size})")
-        if have * data.epochs < need:
-            epochs = -(-need // have)
-            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows; the run needs {need:,} "
-                                f"({what}). Set data.epochs: {epochs} to read it {epochs} times, or ask for fewer steps")
+    """Raise :class:`DataSizeError` if a stream the run reads has fewer rows than one batch, or
+    the training stream fewer than the run reads (``data.epochs`` times its rows may be read)."""
+    for stream in Stream:
+        if rows[stream] < data.batch_size and (stream == Stream.TRAIN or run.eval_batches):
+            raise DataSizeError(f"data.path {data.path}: the {stream.name.lower()} stream has {rows[stream]:,} rows, "
+                                f"fewer than one batch (data.batch_size {data.batch_size})")
+    batches = run.training_batches_read()
+    have, need = rows[Stream.TRAIN], batches * data.batch_size
+    if have * data.epochs < need:
+        epochs = -(-need // have)
+        raise DataSizeError(f"data.path {data.path}: the train stream has {have:,} rows; the run needs {need:,} "
+                            f"(warm-up, {run.steps} steps x {run.repeats} repeats, a few untimed steps and one "
+                            f"prefetched batch: {batches} batches of {data.batch_size}). Set data.epochs: {epochs} to "
+                            f"read it {epochs} times, or ask for fewer steps")
 
 
 def stream_rows(data: "DataConfig") -> dict[Stream, int]:
