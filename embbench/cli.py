@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -122,9 +123,10 @@ def _scale_that_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> 
             scale = float(f"{mantissa}e-{exponent}")
             if scale >= current:
                 continue
-            smaller, cells = load_scenario(args.scenario, steps=args.steps, scale=scale, strategies=args.strategies)
+            flags = {**_shape_flags(args), "scale": scale}
+            smaller, cells = load_scenario(args.scenario, strategies=args.strategies, **flags)
             if all(outcome_without_launch(smaller, c) is None for c in cells if c.id in skipped):
-                return run_command(args.scenario, None, args.steps, scale, args.strategies, args.data_cache)
+                return run_command(args.scenario, strategies=args.strategies, data_cache=args.data_cache, **flags)
     return None
 
 
@@ -149,17 +151,24 @@ def _run_directory(path: Path) -> Path:
     return path
 
 
-def _default_run_dir(path: str, scenario) -> Path:
-    """``results/runs/<scenario file>-<hash of the effective scenario>``."""
-    return Path("results") / "runs" / f"{Path(path).stem}-{scenario.digest()[:10]}"
+def _default_run_dir(scenario) -> Path:
+    """``results/runs/<scenario's name>-<hash of the effective scenario>`` (the name's characters
+    other than letters, digits, ``.`` and ``-`` as ``_``)."""
+    name = re.sub(r"[^\w.-]+", "_", scenario.name, flags=re.ASCII).strip("._") or "scenario"
+    return Path("results") / "runs" / f"{name}-{scenario.digest()[:10]}"
+
+
+def _shape_flags(args: argparse.Namespace) -> dict:
+    """``run``'s flags that change the scenario, as :func:`load_scenario` and :func:`run_command` take them."""
+    return {"steps": args.steps, "scale": args.scale, "batch_size": args.batch_size, "embedding_dim": args.embedding_dim}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     torchrun = torchrun_ranks()  # a partial torchrun environment stops here, named
-    scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=args.strategies)
+    scenario, cells = load_scenario(args.scenario, strategies=args.strategies, **_shape_flags(args))
     if args.profile and torchrun:
         raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
-    out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
+    out = Path(args.out) if args.out else _default_run_dir(scenario)
     mixed = other_scenario(out, scenario, str(args.scenario))
     if mixed:  # its tables would put cells of two scenarios side by side
         raise ValueError(mixed)
@@ -200,8 +209,8 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
         with shown:
             records = _run_with_progress(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
-        again = run_command(args.scenario, out, args.steps, args.scale, args.strategies, args.data_cache, resume=True,
-                            force=args.force, profile=args.profile)
+        again = run_command(args.scenario, out, strategies=args.strategies, data_cache=args.data_cache, resume=True,
+                            force=args.force, profile=args.profile, **_shape_flags(args))
         print(f"interrupted: the finished cells' records are kept in {out}; this runs the others: {again}", file=sys.stderr)
         return 130
     except RecordsNotWritten as e:
@@ -816,8 +825,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("scenario", help="scenario YAML file")
     run.add_argument("--steps", type=_positive(int), help="measured steps per repeat (overrides run.steps)")
     run.add_argument("--scale", type=_positive(float, at_most=1), help="multiply table cardinalities (overrides data.scale)")
+    run.add_argument("--batch-size", type=_positive(int), help="global batch size (overrides data.batch_size)")
+    run.add_argument("--embedding-dim", type=_positive(int),
+                     help="embedding dimension (overrides data.embedding_dim; the bottom MLP's last layer follows it)")
     run.add_argument("--strategies", type=_names, help="comma-separated subset of the scenario's strategies")
-    run.add_argument("--out", help="run directory (default: results/runs/<scenario>-<hash>)")
+    run.add_argument("--out", help="run directory (default: results/runs/<scenario's name>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")

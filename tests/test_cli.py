@@ -124,3 +124,37 @@ def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path):
     proc = embbench("run", str(scenario), "--out", str(tmp_path / "run"))
     assert proc.returncode == 2 and f"{data}:42: column 21" in proc.stderr
     assert not list((tmp_path / "run").glob("*.json"))
+
+
+def test_run_takes_the_shape_as_flags_into_a_directory_named_after_the_scenario(tmp_path, capsys, monkeypatch):
+    """--batch-size and --embedding-dim override the scenario (the bottom MLP's last layer
+    follows the dim), commands printed for the run carry them, and the default run directory
+    is named after the scenario's name, not its file's."""
+    from conftest import tiny_scenario
+    from embbench.cli import main
+    from embbench.commands import effective_flags, run_command
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "a_file_name.yaml"
+    path.write_text(yaml.safe_dump(tiny_scenario(name="my scenario", strategies=[{"name": "device"}])))
+    assert main(["run", str(path), "--batch-size", "32", "--embedding-dim", "4", "--quiet"]) == 0, capsys.readouterr()
+    (run,) = (tmp_path / "results" / "runs").iterdir()
+    assert run.name.startswith("my_scenario-")
+    (record,) = run.glob("*.json")
+    config = json.loads(record.read_text())["scenario"]["config"]
+    assert (config["data"]["batch_size"], config["data"]["embedding_dim"], config["model"]["bottom_mlp"]) == (32, 4, [16, 4])
+    flags = effective_flags(config)
+    assert (flags["batch_size"], flags["embedding_dim"]) == (32, 4)
+    assert run_command("s.yaml", batch_size=32, embedding_dim=4) == "embbench run s.yaml --batch-size 32 --embedding-dim 4"
+
+
+def test_the_data_folder_is_ignored_by_git_and_the_data_package_is_not():
+    """Criteo files copied into data/ (as docs/data.md does) never show up as changes."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index", path]).returncode == 0
+
+    assert ignored("data/criteo_kaggle/train.txt") and ignored("data/cache/x.npy")
+    assert not ignored("embbench/data/new_source.py")
