@@ -24,7 +24,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from embbench.commands import run_command
+from embbench.commands import command, run_command
 from embbench.device import resolve_device
 from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
 from embbench.optional import MissingDependency, require
@@ -567,7 +567,7 @@ def _torchrec_plan(records, curve_file: Path, budget, world_size: int) -> dict:
     config = next((r.scenario for r in records if r.scenario.get("config")), None)
     try:
         if not curve_file.exists():
-            raise ValueError(f"{curve_file}: no curve file (write one with `embbench curve SCENARIO --out {curve_file}`)")
+            raise ValueError(f"{curve_file}: no curve file (write one with `{command('curve', 'SCENARIO', '--out', curve_file)}`)")
         if config is None:
             raise ValueError("the records hold no scenario config to take the tables from")
         from embbench.cache.torchrec_stats import plan_tables

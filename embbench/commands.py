@@ -5,10 +5,28 @@ following one measures what the run measured."""
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["effective_flags", "run_command"]
+__all__ = ["command", "effective_flags", "program", "run_command"]
+
+
+def program() -> list[str]:
+    """embbench as the user started it: the console script as typed (``.venv/bin/embbench``),
+    or this interpreter with ``-m embbench.cli``; plain ``embbench`` when started otherwise
+    (from Python, as the tests do)."""
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if Path(typed).name == "embbench":
+        return [typed]
+    if typed and Path(typed).resolve() == Path(__file__).with_name("cli.py").resolve():
+        return [sys.executable, "-m", "embbench.cli"]
+    return ["embbench"]
+
+
+def command(*args: str | Path) -> str:
+    """An embbench command line as it can be pasted: :func:`program`, then ``args``, shell-quoted."""
+    return shlex.join([*program(), *map(str, args)])
 
 
 def effective_flags(config: dict[str, Any]) -> dict[str, Any]:
@@ -27,7 +45,7 @@ def run_command(scenario: str | Path, out: str | Path | None = None, steps: int 
                 force: bool = False, profile: bool = False, batch_size: int | None = None,
                 embedding_dim: int | None = None) -> str:
     """``embbench run`` with these settings, shell-quoted (no ``--out``: the default run directory)."""
-    argv = ["embbench", "run", str(scenario)]
+    argv = ["run", str(scenario)]
     if steps is not None:
         argv += ["--steps", str(steps)]
     if scale is not None:
@@ -43,4 +61,4 @@ def run_command(scenario: str | Path, out: str | Path | None = None, steps: int 
     if data_cache is not None:
         argv += ["--data-cache", str(data_cache)]
     argv += ["--resume"] * resume + ["--force"] * force + ["--profile"] * profile
-    return shlex.join(argv)
+    return command(*argv)

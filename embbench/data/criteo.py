@@ -48,6 +48,7 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
+from embbench.commands import command
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
 from embbench.data.synthetic import Stream, first_sample
@@ -84,7 +85,7 @@ class DataCacheError(ValueError):
 
     def __str__(self) -> str:
         return (f"data cache entry {self.entry}: {self.damage}, and its source {self.source} is gone: restore it and "
-                f"run `embbench data prepare {self.scenario} --data-cache {self.cache_dir}` to rebuild the entry")
+                f"run `{command('data', 'prepare', self.scenario, '--data-cache', self.cache_dir)}` to rebuild the entry")
 
 
 # ---------------------------------------------------------------------------------------------
