@@ -17,6 +17,7 @@ def embbench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embbench.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path):
     out = tmp_path / "run"
     proc = embbench("run", "scenarios/smoke.yaml", "--steps", "3", "--out", str(out))
@@ -73,6 +74,7 @@ def _tsv_scenario_file(tmp_path: Path, data: dict, strategies: list[dict]) -> Pa
     return path
 
 
+@pytest.mark.slow
 def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
@@ -107,6 +109,7 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
@@ -133,7 +136,9 @@ def test_run_takes_the_shape_as_flags_into_a_directory_named_after_the_scenario(
     from conftest import tiny_scenario
     from embbench.cli import main
     from embbench.commands import effective_flags, run_command
+    from tests.test_trust_rounds import _in_process_cells
 
+    _in_process_cells(monkeypatch)  # the record's scenario is the point, not its measurement
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "a_file_name.yaml"
     path.write_text(yaml.safe_dump(tiny_scenario(name="my scenario", strategies=[{"name": "device"}])))

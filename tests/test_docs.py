@@ -4,6 +4,7 @@ spaces to hyphens, ``-1``, ``-2`` ... for repeated headings)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import random
 import re
@@ -128,3 +129,27 @@ def test_the_docs_examples_are_what_the_commands_print(tmp_path, monkeypatch, ca
     for name, body in blocks.items():
         assert body == rendered[name], (f"{page.name}: the {name} example is not what the command prints now; "
                                         "rerun with EMBBENCH_UPDATE_DOCS=1 and review the diff")
+
+
+# --- the fast tier ------------------------------------------------------------------------------
+
+def _marked_slow(node) -> bool:
+    return any("mark.slow" in ast.unparse(d) for d in node.decorator_list)
+
+
+def test_a_test_that_runs_a_shipped_scenario_is_in_the_slow_tier_and_the_readme_says_how_to_skip_it():
+    """`pytest -m "not slow"` (the README's fast tier) runs no shipped scenario end to end: a
+    test that runs one to success (`run scenarios/...`, not `--dry-run`, exit 0) is marked slow."""
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        source = path.read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                body = ast.get_source_segment(source, node)
+                runs_one = (re.search(r"""["']run["'],\s*["']scenarios/""", body) and "--dry-run" not in body
+                            and re.search(r"(returncode|code)\s*==\s*0", body))
+                if runs_one and not _marked_slow(node):
+                    unmarked.append(f"{path.name}::{node.name}")
+    assert unmarked == []
+    readme = (ROOT / "README.md").read_text()
+    assert '-m "not slow"' in readme and "--durations" in readme

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from record_factory import make_record, write_run
 from rich.console import Console
@@ -127,6 +128,7 @@ def test_on_a_terminal_the_phase_step_and_eta_are_shown():
 
 # -- run end to end ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(tiny_scenario(strategies=[{"name": "device"}])))
