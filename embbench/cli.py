@@ -9,6 +9,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from embbench.bounds import CURVE_MAX_BATCHES, positive_flag
-from embbench.commands import run_command
+from embbench.commands import command, run_command
 from embbench.device import resolve_device
 from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
 from embbench.optional import MissingDependency, require
@@ -122,9 +123,10 @@ def _scale_that_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> 
             scale = float(f"{mantissa}e-{exponent}")
             if scale >= current:
                 continue
-            smaller, cells = load_scenario(args.scenario, steps=args.steps, scale=scale, strategies=args.strategies)
+            flags = {**_shape_flags(args), "scale": scale}
+            smaller, cells = load_scenario(args.scenario, strategies=args.strategies, **flags)
             if all(outcome_without_launch(smaller, c) is None for c in cells if c.id in skipped):
-                return run_command(args.scenario, None, args.steps, scale, args.strategies, args.data_cache)
+                return run_command(args.scenario, strategies=args.strategies, data_cache=args.data_cache, **flags)
     return None
 
 
@@ -149,17 +151,24 @@ def _run_directory(path: Path) -> Path:
     return path
 
 
-def _default_run_dir(path: str, scenario) -> Path:
-    """``results/runs/<scenario file>-<hash of the effective scenario>``."""
-    return Path("results") / "runs" / f"{Path(path).stem}-{scenario.digest()[:10]}"
+def _default_run_dir(scenario) -> Path:
+    """``results/runs/<scenario's name>-<hash of the effective scenario>`` (the name's characters
+    other than letters, digits, ``.`` and ``-`` as ``_``)."""
+    name = re.sub(r"[^\w.-]+", "_", scenario.name, flags=re.ASCII).strip("._") or "scenario"
+    return Path("results") / "runs" / f"{name}-{scenario.digest()[:10]}"
+
+
+def _shape_flags(args: argparse.Namespace) -> dict:
+    """``run``'s flags that change the scenario, as :func:`load_scenario` and :func:`run_command` take them."""
+    return {"steps": args.steps, "scale": args.scale, "batch_size": args.batch_size, "embedding_dim": args.embedding_dim}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     torchrun = torchrun_ranks()  # a partial torchrun environment stops here, named
-    scenario, cells = load_scenario(args.scenario, steps=args.steps, scale=args.scale, strategies=args.strategies)
+    scenario, cells = load_scenario(args.scenario, strategies=args.strategies, **_shape_flags(args))
     if args.profile and torchrun:
         raise ValueError("--profile: not available under torchrun (run on one host without torchrun to profile)")
-    out = Path(args.out) if args.out else _default_run_dir(args.scenario, scenario)
+    out = Path(args.out) if args.out else _default_run_dir(scenario)
     mixed = other_scenario(out, scenario, str(args.scenario))
     if mixed:  # its tables would put cells of two scenarios side by side
         raise ValueError(mixed)
@@ -200,8 +209,8 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
         with shown:
             records = _run_with_progress(args, scenario, cells, out, shown)
     except KeyboardInterrupt:
-        again = run_command(args.scenario, out, args.steps, args.scale, args.strategies, args.data_cache, resume=True,
-                            force=args.force, profile=args.profile)
+        again = run_command(args.scenario, out, strategies=args.strategies, data_cache=args.data_cache, resume=True,
+                            force=args.force, profile=args.profile, **_shape_flags(args))
         print(f"interrupted: the finished cells' records are kept in {out}; this runs the others: {again}", file=sys.stderr)
         return 130
     except RecordsNotWritten as e:
@@ -357,10 +366,11 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
 
     claim_output(Path(args.out), "--out", "embbench trace record", is_trace, args.overwrite)
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
-    train, evaluation = batches_needed(scenario.run)
-    train = args.train_batches or train
-    evaluation = args.eval_batches if args.eval_batches is not None else evaluation
+    train = args.train_batches or scenario.run.training_batches_read()
+    evaluation = args.eval_batches if args.eval_batches is not None else scenario.run.eval_batches
     _prepare_data(args.scenario, scenario, _data_cache(args), batches=(train, evaluation))  # what it records, not a run's
+    if args.eval_batches is None:  # as a run evaluates: each held-out row once, whole batches
+        evaluation = batches_needed(scenario.data, scenario.run)[1]
     tables = scenario.tables()
     source = scenario.data_source(torch.device("cpu"), (train, evaluation))
     written = record_trace(source, [t.num_rows for t in tables], scenario.data.batch_size, train, evaluation,
@@ -542,7 +552,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(Text(f"cache curve: {curve_file} (a ratio to measure next stops at its knee)", style="dim"))
     recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve)
-    plans = {r.world_size: _torchrec_plan(records, curve_file, budget.device_bytes, r.world_size)
+    plans = {r.world_size: _torchrec_plan(records, curve_file, budget, r.world_size)
              for r in recs} if args.torchrec_plan else {}
     if args.json:
         print(json.dumps([{**dataclasses.asdict(r), **({"torchrec_plan": plans[r.world_size]} if plans else {})}
@@ -554,14 +564,18 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int) -> dict:
-    """``recommend --torchrec-plan``: torchrec's planner on the run's tables at the budget, with
-    the curve's statistics; where it cannot plan, why (the answer is still embbench's)."""
-    out = {"world_size": world_size, "device_bytes_per_rank": device_bytes, "tables": None, "unavailable": None}
+def _torchrec_plan(records, curve_file: Path, budget, world_size: int) -> dict:
+    """``recommend --torchrec-plan``: torchrec's planner on the run's tables at the budget (the
+    host: ``--host-memory``, else this machine's memory), with the curve's statistics; where it
+    cannot plan, why (the answer is still embbench's)."""
+    device_bytes = budget.device_bytes
+    host_bytes = budget.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = {"world_size": world_size, "device_bytes_per_rank": device_bytes, "host_bytes": host_bytes, "tables": None,
+           "unavailable": None}
     config = next((r.scenario for r in records if r.scenario.get("config")), None)
     try:
         if not curve_file.exists():
-            raise ValueError(f"{curve_file}: no curve file (write one with `embbench curve SCENARIO --out {curve_file}`)")
+            raise ValueError(f"{curve_file}: no curve file (write one with `{command('curve', 'SCENARIO', '--out', curve_file)}`)")
         if config is None:
             raise ValueError("the records hold no scenario config to take the tables from")
         from embbench.cache.torchrec_stats import plan_tables
@@ -569,7 +583,7 @@ def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int
 
         scenario, _ = parse_scenario(config["config"], config.get("file", "<record>"))
         tables = plan_tables(scenario.tables(), curve_file, device_bytes, world_size,
-                             max(1, scenario.data.batch_size // world_size))
+                             max(1, scenario.data.batch_size // world_size), host_bytes=host_bytes)
         out["tables"] = [dataclasses.asdict(t) for t in tables]
     except Exception as e:  # noqa: BLE001 - torchrec missing or its planner refusing must not cost the answer
         first = (str(e).strip().splitlines() or [""])[0]
@@ -577,12 +591,12 @@ def _torchrec_plan(records, curve_file: Path, device_bytes: int, world_size: int
     return out
 
 
-def _precision_pairs(runs):
+def _precision_pairs(runs, threshold: float | None):
     """``--match-on strategy``: in each run, every cell whose rows are not fp32 against the same
     strategy, parameters and world size in fp32."""
     from embbench.compare import ALPHA, compare_precisions
 
-    pairs = [(run, compare_precisions(run.records, ALPHA)) for run in runs]
+    pairs = [(run, compare_precisions(run.records, ALPHA, threshold)) for run in runs]
     if not any(cells for _, cells in pairs):
         raise ValueError(f"--match-on strategy: no cell with rows in fp16, bf16 or fp8 in {', '.join(r.label for r in runs)} "
                          "(run.row_precision)")
@@ -596,7 +610,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
     runs = _load_runs(args.runs, need_records=False)  # a candidate whose records are all damaged fails the gate
-    pairs = compare_runs(runs, ALPHA) if args.match_on == "cell" else _precision_pairs(runs)
+    pairs = compare_runs(runs, ALPHA, threshold) if args.match_on == "cell" else _precision_pairs(runs, threshold)
     failures, undecided = [], []
     for run, cells in pairs:
         found = regressions(cells, threshold, run) if threshold is not None else []
@@ -799,8 +813,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("scenario", help="scenario YAML file")
     run.add_argument("--steps", type=positive_flag(int), help="measured steps per repeat (overrides run.steps)")
     run.add_argument("--scale", type=positive_flag(float, at_most=1), help="multiply table cardinalities (overrides data.scale)")
+    run.add_argument("--batch-size", type=positive_flag(int), help="global batch size (overrides data.batch_size)")
+    run.add_argument("--embedding-dim", type=positive_flag(int),
+                     help="embedding dimension (overrides data.embedding_dim; the bottom MLP's last layer follows it)")
     run.add_argument("--strategies", type=_names, help="comma-separated subset of the scenario's strategies")
-    run.add_argument("--out", help="run directory (default: results/runs/<scenario>-<hash>)")
+    run.add_argument("--out", help="run directory (default: results/runs/<scenario's name>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
     run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")

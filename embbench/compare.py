@@ -6,20 +6,29 @@ sample, because consecutive steps of one run are not independent and a second ru
 run-to-run variance, not the step-to-step one. Two cells are compared by Welch's t on the log of
 their repeat medians: the throughput ratio with its 95 % interval and a p-value.
 
-**The gate** (``--fail-on X%``): when either run was busy, or its noise (the half-width of its
-interval over repeats) is wider than X, the gate *cannot judge* that cell at X: it says so with
-the noise and exits with :data:`CANNOT_JUDGE`, never with a pass or a fail. (A run's interval
-over its own repeats misses what changes between runs, so a cell noisier than X is not held
-to X even when its ratio interval looks decisive: A/A pairs of the smoke scenario showed
-such intervals beyond -10 %.) Otherwise a cell regresses when its whole ratio interval lies
-below ``1 - X``.
+**One verdict per cell** (:func:`judge`), read by the gate, the table's verdict column, the
+HTML report and ``recommend`` alike. A cell is *not judged* (the column reads ``~`` and why,
+as asv prints ``~``) when either run was busy (named: A or B), has one repeat, or is noisier
+than the threshold (the half-width of its interval over repeats against ``--fail-on X`` or,
+without a gate, against the change itself), or when its change lies within the A/A noise floor of
+the same comparison and that floor is wider than the threshold. A run's interval over its own
+repeats misses what changes between runs (A/A pairs of the smoke scenario showed intervals
+beyond -10 %), so Welch's t alone never makes a cell "significant": a judged cell reads
+``yes`` when its p-value is below alpha *and* its change is beyond the A/A floor where one
+is known (:func:`compare_runs` takes it from a candidate that is the baseline's code and
+scenario run again: ``compare A A2 B`` holds B to the floor of A against A2).
+
+**The gate** (``--fail-on X%``): a cell not judged at X makes it exit with
+:data:`CANNOT_JUDGE`, never with a pass or a fail; a judged cell regresses when it reads
+``yes`` and its whole ratio interval lies below ``1 - X``.
 
 Everything here is a pure function of records; the CLI prints what it returns.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,8 +38,8 @@ from embbench.scenario import cell_slug
 
 __all__ = [
     "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
-    "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id", "load_runs", "parse_percent",
-    "regressions", "repeat_test", "same_code_and_scenario", "to_json", "what_differs",
+    "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id", "judge", "load_runs",
+    "parse_percent", "regressions", "repeat_test", "same_code_and_scenario", "to_json", "what_differs",
 ]
 
 ALPHA = 0.05
@@ -81,10 +90,12 @@ class Delta:
 
 @dataclass
 class Significance:
-    """The repeats of a cell in two runs, tested (:func:`embbench.stats.ratio_test`)."""
+    """The repeats of a cell in two runs, tested (:func:`embbench.stats.ratio_test`), and the
+    verdict on them (:func:`judge`)."""
 
     test: str
     p_value: float | None
+    #: the verdict: the change is real (True), not shown (False), or the cell is not judged (None)
     significant: bool | None
     n_before: int  # repeats
     n_after: int
@@ -97,10 +108,14 @@ class Significance:
     #: why each side is not to be bet on (a busy machine, a wide interval)
     flags_before: list[str] = field(default_factory=list)
     flags_after: list[str] = field(default_factory=list)
-
-    @property
-    def busy(self) -> list[str]:
-        return [f for f in self.flags_before + self.flags_after if f.startswith("busy")]
+    alpha: float = ALPHA
+    #: the A/A noise floor this cell is held to: the largest change between two runs of the same
+    #: code and scenario in the same comparison, as ``|log(ratio)|``, where one is known
+    aa_floor: float | None = None
+    #: why the cell is not judged (None: it is); see :func:`judge`
+    not_judged: str | None = None
+    #: the names of the two sides in ``not_judged`` (the runs A and B; recommend's two cells)
+    names: tuple[str, str] = ("A", "B")
 
 
 @dataclass
@@ -187,9 +202,10 @@ def parse_percent(text: str) -> float:
     return fraction
 
 
-def repeat_test(before: dict[str, Any], after: dict[str, Any], alpha: float = ALPHA) -> Significance:
+def repeat_test(before: dict[str, Any], after: dict[str, Any], alpha: float = ALPHA, threshold: float | None = None,
+                names: tuple[str, str] = ("A", "B")) -> Significance:
     """Two cells' repeats tested (Welch's t on the log of the repeat medians; see the module doc),
-    from their records' metrics.
+    from their records' metrics, and judged at ``threshold`` (:func:`judge`).
 
     Raises:
         MissingDependency: scipy is not installed.
@@ -198,9 +214,31 @@ def repeat_test(before: dict[str, Any], after: dict[str, Any], alpha: float = AL
 
     a, b = speed(before), speed(after)
     result = ratio_test(a.repeat_medians_s, b.repeat_medians_s)
-    significant = None if result.p_value is None else result.p_value < alpha
-    return Significance(TEST, result.p_value, significant, result.n_before, result.n_after, result.ratio,
-                        result.interval, a.noise, b.noise, a.flags, b.flags)
+    return judge(Significance(TEST, result.p_value, None, result.n_before, result.n_after, result.ratio,
+                              result.interval, a.noise, b.noise, a.flags, b.flags, alpha, names=names), threshold)
+
+
+def judge(sig: Significance, threshold: float | None = None) -> Significance:
+    """``sig`` with its verdict at ``threshold`` (a fraction; None: no gate, and a run's noise is
+    held to the change itself): why it is not judged, or whether its change is real (see the
+    module doc).
+    Every reader of a comparison (the gate, the tables, the report, recommend) reads this."""
+    why = []
+    for name, flags in zip(sig.names, (sig.flags_before, sig.flags_after)):
+        why += [f"busy in {name}: {f.removeprefix('busy: ')}" for f in dict.fromkeys(flags) if f.startswith("busy")]
+    if sig.interval is None:
+        why.append("one repeat, no interval (run.repeats >= 2)")
+    change = abs(math.log(sig.ratio))  # on the log scale, where a halving and a doubling are as far
+    for name, noise in zip(sig.names, (sig.noise_before, sig.noise_after)):
+        if noise is not None and (math.log1p(noise) > change if threshold is None else noise > threshold):
+            why.append(f"noise ±{100 * noise:.1f}% in {name}, wider than " +
+                       (f"the change ({100 * (sig.ratio - 1):+.1f}%)" if threshold is None else f"{100 * threshold:g}%"))
+    within_floor = sig.aa_floor is not None and change <= sig.aa_floor
+    if within_floor and (threshold is None or sig.aa_floor > -math.log1p(-threshold)):
+        why.append(f"within the A/A noise floor (±{100 * math.expm1(sig.aa_floor):.1f}%)")
+    not_judged = "; ".join(why) or None
+    significant = None if not_judged or sig.p_value is None else sig.p_value < sig.alpha and not within_floor
+    return replace(sig, not_judged=not_judged, significant=significant)
 
 
 def _delta(before: float | None, after: float | None, higher_is_better: bool) -> Delta:
@@ -242,9 +280,10 @@ def what_differs(a: Record, b: Record) -> list[str]:
     return out
 
 
-def compare_records(before: list[Record], after: list[Record], alpha: float = ALPHA) -> list[CellComparison]:
-    """Every cell id of either run, compared: the baseline strategy's cells first, then by
-    world size and id (the order of the run's table)."""
+def compare_records(before: list[Record], after: list[Record], alpha: float = ALPHA,
+                    threshold: float | None = None) -> list[CellComparison]:
+    """Every cell id of either run, compared and judged at ``threshold`` (:func:`judge`): the
+    baseline strategy's cells first, then by world size and id (the order of the run's table)."""
     by_id_before = {r.cell_id: r for r in before}
     by_id_after = {r.cell_id: r for r in after}
     everything = {**by_id_after, **by_id_before}
@@ -258,33 +297,32 @@ def compare_records(before: list[Record], after: list[Record], alpha: float = AL
         if a and b and cell.comparable:
             row_a, row_b = flat_row(a), flat_row(b)
             cell.deltas = {m.key: _delta(m.read(row_a), m.read(row_b), m.higher_is_better) for m in METRICS}
-            cell.significance = repeat_test(a.metrics, b.metrics, alpha)
+            cell.significance = repeat_test(a.metrics, b.metrics, alpha, threshold)
         out.append(cell)
     return out
 
 
-def compare_runs(runs: list[Run], alpha: float = ALPHA) -> list[tuple[Run, list[CellComparison]]]:
-    """Each run after the first against the first."""
+def compare_runs(runs: list[Run], alpha: float = ALPHA,
+                 threshold: float | None = None) -> list[tuple[Run, list[CellComparison]]]:
+    """Each run after the first against the first, judged at ``threshold``; where a candidate is
+    the baseline's code and scenario run again (an A/A pair), every cell is held to its noise
+    floor (:func:`aa_noise_floor`: the largest change of those pairs)."""
     if len(runs) < 2:
         raise ValueError("compare needs at least two runs")
-    return [(run, compare_records(runs[0].records, run.records, alpha)) for run in runs[1:]]
-
-
-def _undecidable(sig: Significance, threshold: float) -> str | None:
-    """Why a comparable cell cannot be judged at ``threshold``, or None."""
-    if sig.busy:
-        return "; ".join(dict.fromkeys(sig.busy))
-    if sig.interval is None:
-        return "one repeat, no interval (run.repeats >= 2)"
-    noise = max((n for n in (sig.noise_before, sig.noise_after) if n is not None), default=0.0)
-    if noise > threshold:
-        return f"noise ±{100 * noise:.1f}%"
-    return None
+    pairs = [(run, compare_records(runs[0].records, run.records, alpha, threshold)) for run in runs[1:]]
+    floor = max((abs(math.log(c.significance.ratio)) for run, cells in pairs if same_code_and_scenario(runs[0], run)
+                 for c in cells if c.comparable and c.significance), default=None)
+    if floor is not None:
+        for _, cells in pairs:
+            for cell in cells:
+                if cell.significance:
+                    cell.significance = judge(replace(cell.significance, aa_floor=floor), threshold)
+    return pairs
 
 
 def regressions(cells: list[CellComparison], threshold: float, candidate: Run | None = None) -> list[str]:
-    """Why a regression gate fails: a cell that can be judged at ``threshold`` (a fraction;
-    see :func:`cannot_judge`) whose whole throughput-ratio interval lies below ``1 - threshold``,
+    """Why a regression gate fails: a cell whose verdict at ``threshold`` (a fraction;
+    :func:`judge`) is a real change whose whole throughput-ratio interval lies below ``1 - threshold``,
     or a cell that ran in the baseline and failed (error, oom, timeout, ...) in the candidate,
     or is missing from it, or whose record there is damaged (a non-finite figure included:
     ``candidate`` says which files were left out)."""
@@ -298,8 +336,8 @@ def regressions(cells: list[CellComparison], threshold: float, candidate: Run | 
         if cell.status_before == "ok" and cell.status_after is not None and cell.status_after not in _NOT_FAILED:
             out.append(f"{cell.cell_id}: was ok, now {cell.status_after}")
             continue
-        sig = cell.significance
-        if sig and sig.interval and sig.interval[1] < 1 - threshold and _undecidable(sig, threshold) is None:
+        sig = judge(cell.significance, threshold) if cell.significance else None
+        if sig and sig.significant and sig.interval[1] < 1 - threshold:
             out.append(f"{cell.cell_id}: throughput {100 * (sig.ratio - 1):+.1f}% (95% interval "
                        f"{100 * (sig.interval[0] - 1):+.1f}% to {100 * (sig.interval[1] - 1):+.1f}%, "
                        f"beyond -{100 * threshold:g}%)")
@@ -307,12 +345,12 @@ def regressions(cells: list[CellComparison], threshold: float, candidate: Run | 
 
 
 def cannot_judge(cells: list[CellComparison], threshold: float) -> list[str]:
-    """The comparable cells a gate at ``threshold`` cannot judge, each with why: either run was
-    measured on a busy machine, or its noise (over repeats) is wider than the threshold, or it
-    has one repeat (no interval)."""
+    """The comparable cells a gate at ``threshold`` cannot judge (:func:`judge`), each with why:
+    either run was measured on a busy machine (named), its noise over repeats is wider than the
+    threshold, it has one repeat, or its change is within an A/A floor wider than the threshold."""
     out = []
     for cell in cells:
-        why = _undecidable(cell.significance, threshold) if cell.comparable and cell.significance else None
+        why = judge(cell.significance, threshold).not_judged if cell.comparable and cell.significance else None
         if why:
             out.append(f"{cell.cell_id}: cannot judge at {100 * threshold:g}%: {why}")
     return out
@@ -372,7 +410,7 @@ def fp32_cell_id(record: Record) -> str:
     return Cell(record.strategy, record.params, record.world_size).id
 
 
-def compare_precisions(records: list[Record], alpha: float = ALPHA) -> list[CellComparison]:
+def compare_precisions(records: list[Record], alpha: float = ALPHA, threshold: float | None = None) -> list[CellComparison]:
     """Each cell of one run whose rows are not fp32 (B) against the same strategy, parameters
     and world size in fp32 (A), as :func:`compare_records` compares two runs' cells. Cells of
     one run share the scenario digest (``run.row_precision`` is not part of it)."""
@@ -384,5 +422,5 @@ def compare_precisions(records: list[Record], alpha: float = ALPHA) -> list[Cell
             out.append(CellComparison(record.cell_id, None, record.status))
             continue
         # the fp32 record under this cell's id, so that the two are matched as one cell
-        out += compare_records([reference.model_copy(update={"cell_id": record.cell_id})], [record], alpha)
+        out += compare_records([reference.model_copy(update={"cell_id": record.cell_id})], [record], alpha, threshold)
     return out

@@ -42,8 +42,8 @@ from embbench import cell_process
 from embbench.data.criteo import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
-from embbench.results import (Record, RecordError, Status, load_records, provenance, read_record, scenario_differences,
-                              schema_error, write_record)
+from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status, load_records, provenance, read_record,
+                              scenario_differences, schema_error, write_eval_scores, write_record)
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 
@@ -193,6 +193,21 @@ def remove_dead_scratch() -> None:
         match = _SCRATCH.fullmatch(path.name)
         if match and path.is_dir() and not path.is_symlink() and not pid_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _keep_eval_scores(metrics: dict[str, Any] | None, path: Path) -> None:
+    """Move the evaluation's per-sample scores out of a cell's metrics into ``path`` (the record
+    keeps the file's name: ``recommend`` compares AUCs on the same samples); a file that cannot
+    be written costs that comparison only."""
+    accuracy = (metrics or {}).get("accuracy") or {}
+    scores = accuracy.pop(EVAL_SCORES, None)
+    if scores is None:
+        return
+    try:
+        write_eval_scores(path, scores["scores"], scores["labels"])
+        accuracy["eval_file"] = path.name
+    except OSError:
+        pass
 
 
 def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Path,
@@ -484,6 +499,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             if on_start:
                 on_start(cell)
             outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
+            _keep_eval_scores(outcome.metrics, out_dir / EVAL_DIR / f"{cell.slug}.npz")
             record = _new_record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
                                  row_precision=cell.row_precision,
                                  status=outcome.status, message=outcome.message, semantics=cell.strategy_class().semantics,

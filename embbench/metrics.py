@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
-           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "unstable_training"]
+           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training"]
 
 #: A training loss this many times the first step's says the optimizer overshot. The scenarios'
 #: old dense Adagrad at lr 0.05 reached 1.7e6 at step 1 (from 0.69) and recovered; a run that does
@@ -212,6 +212,18 @@ def unstable_training(accuracy: dict[str, Any] | None) -> str | None:
     return (f"unstable training: the loss reached {peak:.3g} at step {accuracy.get('train_loss_peak_step')} "
             f"(the first was {first:.3g}): accuracy differences between cells are the training's chaos, "
             f"not the strategies' (lower the learning rate)")
+
+
+def too_few_eval_samples(accuracy: dict[str, Any] | None) -> str | None:
+    """Why a cell's AUC means little: its 95% interval (1.96 standard errors over the
+    evaluation samples, DeLong) reaches 0.5, a coin's AUC; or None (also without a standard
+    error: an older record, or no scipy)."""
+    accuracy = accuracy or {}
+    auc, error = accuracy.get("auc"), accuracy.get("auc_standard_error")
+    if auc is None or error is None or abs(auc - 0.5) > 1.96 * error:
+        return None
+    return (f"too few evaluation samples: AUC {auc:.3f} ± {1.96 * error:.3f} (95%, {accuracy.get('eval_samples', '?'):,} "
+            f"samples) cannot be told from chance (0.5); score more held-out rows (data.eval, run.eval_batches)")
 
 
 def peak_rss_bytes() -> int:

@@ -17,15 +17,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from embbench.columns import flat_row, speed
+from embbench.columns import flat_row, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
-from embbench.results import Record
+from embbench.results import EVAL_DIR, Record, RecordError, read_eval_scores
+from embbench.stats import AucComparison, delong
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
            "recommend"]
@@ -86,6 +88,8 @@ class Candidate:
     interval: tuple[float, float] | None = None
     #: why this cell's speed is not to be bet on (a busy machine, a wide interval)
     flags: list[str] = field(default_factory=list)
+    #: why its speed is not judged against the best's (:func:`embbench.compare.judge`), or None
+    not_judged: str | None = None
     #: the type its rows are stored in (``run.row_precision``)
     row_precision: str = "fp32"
 
@@ -127,6 +131,22 @@ def _family(record: Record) -> str:
     return f"{record.strategy}[{rest}{',' if rest else ''}{CACHE_RATIO}=?]@w{record.world_size}"
 
 
+def _fixed_overhead(family: str, fixed: float, slope: float, ratio: float, whole: Record, whole_bytes: int,
+                    all_rows: float | None) -> str:
+    """Why a cache costs more device memory than no cache at this scale: its fixed part (state
+    that does not shrink with the cache) exceeds every table on the device; and, where the
+    records say how many rows the tables have, from how many rows the cache pays."""
+    text = (f"{family}: about {format_bytes(fixed)} of its device memory is fixed (it does not shrink with "
+            f"{CACHE_RATIO}), more than every table on the device ({format_bytes(whole_bytes)}, {whole.cell_id}): "
+            "at this scale the cache costs more device memory than no cache")
+    if all_rows:  # per row of the tables: the device's bytes against the cache's at ``ratio``
+        saved = whole_bytes / all_rows - slope / all_rows * ratio
+        if saved > 0:
+            text += (f"; at {CACHE_RATIO}={ratio:g} it needs less than {whole.strategy} from about "
+                     f"{_round_down(fixed / saved):,.0f} rows (these tables have {all_rows:,.0f})")
+    return text
+
+
 def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], budget: Budget,
                        winner: str | None, run_dir: str, curve: dict | None = None) -> tuple[list[Suggestion], list[str]]:
     """For each family of cells that differ only in ``cache_ratio``: the largest ratio whose
@@ -137,6 +157,8 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
     from embbench.cache.curve import knee  # only with a curve
 
     knee_point = knee(curve) if curve else None
+    # the cell that holds every table on the device (the baseline), for what a cache's fixed part costs
+    whole = next((r for r in records if r.strategy == r.baseline and r.status == "ok" and r.row_precision == "fp32"), None)
     families: dict[str, list[Record]] = {}
     for r in records:
         if r.status == "ok" and isinstance(r.params.get(CACHE_RATIO), (int, float)):
@@ -160,14 +182,20 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
             notes.append(f"{family}: device memory does not grow with {CACHE_RATIO} in these records; cannot size a cache")
             continue
         sized = next((r for r in members if rows[r.cell_id].get("capacity_rows") and r.params[CACHE_RATIO]), None)
-        if sized:  # rows a ratio of 1 would cache, from a cell that says how many rows it caches
-            all_rows = rows[sized.cell_id]["capacity_rows"] / sized.params[CACHE_RATIO]
+        all_rows = rows[sized.cell_id]["capacity_rows"] / sized.params[CACHE_RATIO] if sized else None
+        if all_rows:  # rows a ratio of 1 would cache, from a cell that says how many rows it caches
             basis += f"; about {slope / all_rows:,.0f} bytes per cached row"
+        if whole and fixed > rows[whole.cell_id]["device_bytes"]:
+            notes.append(_fixed_overhead(family, fixed, slope, min(ratios), whole, rows[whole.cell_id]["device_bytes"],
+                                         all_rows))
         best_ratio = (budget.device_bytes - fixed) / slope
         if best_ratio <= 0:
             notes.append(f"{family}: its fixed device memory (about {format_bytes(fixed)}) exceeds the budget at any {CACHE_RATIO}")
             continue
-        best_ratio = min(best_ratio, 1.0)
+        if best_ratio >= 1:  # a cache of every row is every table on the device
+            notes.append(f"{family}: the budget holds a cache of every row ({CACHE_RATIO}=1): with every table on the "
+                         f"device no cache is needed; that is `{members[0].baseline}`" + ("" if whole else ": measure it"))
+            continue
         fits = need <= budget.device_bytes
         if fits.any():
             largest = max((r for r, f in zip(members, fits) if f), key=lambda r: r.params[CACHE_RATIO])
@@ -175,7 +203,7 @@ def _cache_suggestions(records: list[Record], rows: dict[str, dict[str, Any]], b
                 continue  # covered: a measured cache fits, and a larger one would not change the answer
         ratio = _round_down(best_ratio)
         if knee_point and knee_point[0] < ratio:
-            ratio = knee_point[0]
+            ratio = _round_down(knee_point[0])
             basis += (f"; the cache curve's knee: MIN hits {100 * knee_point[1]:.1f}% of distinct rows at {ratio:g}, "
                       f"a larger cache gains little")
         scenario = members[0].scenario.get("file", "SCENARIO.yaml")
@@ -194,11 +222,41 @@ def accuracy_reference(records: list[Record]) -> Record | None:
     return next((r for r in measured if r.row_precision == "fp32"), measured[0] if measured else None)
 
 
+def _auc_test(reference: Record, record: Record, run_dir: str) -> AucComparison | None:
+    """``record``'s AUC against ``reference``'s: DeLong's test on the same evaluation samples
+    (the run's ``eval/`` files); where they are missing, the two standard errors the records
+    hold, unpaired (wider than the paired one); None where neither is there."""
+    files = [get(x.metrics, "accuracy", "eval_file") for x in (reference, record)]
+    try:
+        if all(files):
+            (a, labels_a), (b, labels_b) = (read_eval_scores(Path(run_dir) / EVAL_DIR / f) for f in files)
+            if np.array_equal(labels_a, labels_b):
+                return delong(labels_a, a, b)
+    except RecordError:
+        pass
+    aucs = [get(x.metrics, "accuracy", "auc") for x in (reference, record)]
+    errors = [get(x.metrics, "accuracy", "auc_standard_error") for x in (reference, record)]
+    if None in aucs or None in errors:
+        return None
+    from embbench.optional import require
+
+    se = math.hypot(*errors)
+    norm = require("scipy.stats", "the comparison of AUCs").norm
+    return AucComparison(aucs[0], aucs[1], se, float(2 * norm.sf(abs(aucs[1] - aucs[0]) / se)) if se else 1.0,
+                         samples=get(record.metrics, "accuracy", "eval_samples"))
+
+
+def _auc_noise_text(test: AucComparison) -> str:
+    how = "DeLong" if test.paired else "unpaired standard errors"
+    return (f"±{test.standard_error:.4f}, p={test.p_value:.2g}, {how} on the same "
+            + (f"{test.samples:,} " if test.samples else "") + "evaluation samples")
+
+
 def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
     """Why the winner may not be the winner: a runner-up whose interval reaches it (not slower
     beyond noise), or a winner measured on a busy machine or with a wide interval."""
     out = []
-    close = [c for c in runners_up if c.interval is None or c.interval[1] >= 1]
+    close = [c for c in runners_up if not c.significant]  # the verdict of the runners-up column
     if close:
         out.append(f"{best.cell_id} is not faster beyond noise than " + ", ".join(
             c.cell_id + ("" if c.interval is None else f" ({100 * (c.interval[0] - 1):+.0f}% to {100 * (c.interval[1] - 1):+.0f}%)")
@@ -217,7 +275,8 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
 
     A cell is left out when it did not finish (its status), when its memory exceeds the
     budget (by how much), or when its AUC is below the baseline's at the same world size
-    by more than ``auc_tolerance``.
+    by more than ``auc_tolerance`` and beyond its sampling error (:func:`_auc_test`; a drop
+    within it is a note, not a reason).
     """
     rows = {r.cell_id: flat_row(r) for r in records}
     out = []
@@ -245,8 +304,16 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                 why.append(f"needs {format_bytes(row['host_bytes_all_ranks'])} host memory, "
                            f"{format_bytes(row['host_bytes_all_ranks'] - budget.host_bytes)} over the budget")
             if base_auc is not None and row["auc"] is not None and row["auc"] < base_auc - auc_tolerance:
-                why.append(f"AUC {row['auc']:.4f} is {base_auc - row['auc']:.4f} below the baseline's {base_auc:.4f} "
-                           f"(tolerance {auc_tolerance:g})")
+                drop = (f"AUC {row['auc']:.4f} is {base_auc - row['auc']:.4f} below the baseline's {base_auc:.4f} "
+                        f"(tolerance {auc_tolerance:g})")
+                test = _auc_test(base, r, run_dir)
+                if test is None:
+                    why.append(drop + ", not weighed against its sampling error (no evaluation scores in the records)")
+                elif test.p_value < alpha:
+                    why.append(f"{drop}, beyond its sampling error ({_auc_noise_text(test)})")
+                else:
+                    rec.notes.append(f"{r.cell_id}: {drop}, within its sampling error ({_auc_noise_text(test)}): "
+                                     "not left out")
             if why:
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:
@@ -261,8 +328,9 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
             metrics = {r.cell_id: r.metrics for r in mine}
             for c in rec.runners_up:
                 c.relative_to_best = c.throughput / rec.best.throughput - 1
-                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha)
-                c.p_value, c.significant, c.interval = test.p_value, test.significant, test.interval
+                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha, names=("the best", "this cell"))
+                c.p_value, c.significant, c.interval, c.not_judged = (test.p_value, test.significant, test.interval,
+                                                                      test.not_judged)
             rec.caveats += _winner_caveats(rec.best, rec.runners_up)
         else:
             needs = [rows[r.cell_id]["device_bytes"] for r in mine if r.status == "ok"]

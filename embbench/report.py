@@ -10,7 +10,7 @@ from rich.text import Text
 
 from embbench.columns import baseline_throughputs, device_need_bytes, speed
 from embbench.compare import METRICS, CellComparison, Delta, Significance
-from embbench.metrics import unstable_training
+from embbench.metrics import too_few_eval_samples, unstable_training
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
 from embbench.table_view import Column, Grid, Row, View, print_grid
@@ -177,7 +177,8 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
         elif r.status == "ok" and r.metrics:
-            why_not = speed(r.metrics).flags + [w for w in [unstable_training(r.metrics.get("accuracy"))] if w]
+            accuracy = r.metrics.get("accuracy")
+            why_not = speed(r.metrics).flags + [w for w in (unstable_training(accuracy), too_few_eval_samples(accuracy)) if w]
             if why_not:
                 console.print(Text(f"{r.cell_id}: {'; '.join(why_not)}", style="yellow"))
 
@@ -196,14 +197,19 @@ def _delta_text(delta: Delta | None, with_values: str | None = None) -> Text:
 
 
 def _significance_text(sig: Significance | None) -> Text:
-    """``yes p=0.003 [-12%, -4%]`` (the throughput ratio's interval), and busy!/wide! marks."""
-    if sig is None or sig.p_value is None:
+    """The verdict (:func:`embbench.compare.judge`): ``yes p=0.003 [-12%, -4%]`` (the throughput
+    ratio's interval), ``no p=0.4 [...]``, or ``~`` and why the cell is not judged."""
+    if sig is None:
         return Text("n/a", style="dim")
-    text = Text(f"yes p={sig.p_value:.2g}", style="bold") if sig.significant else Text(f"no p={sig.p_value:.2g}", style="dim")
+    if sig.not_judged:
+        text = Text(f"~ {sig.not_judged}", style="yellow")
+    elif sig.significant:
+        text = Text(f"yes p={sig.p_value:.2g}", style="bold")
+    else:
+        text = Text(f"no p={sig.p_value:.2g}", style="dim")
     if sig.interval:
-        text.append(f" [{100 * (sig.interval[0] - 1):+.1f}%, {100 * (sig.interval[1] - 1):+.1f}%]")
-    for kind in dict.fromkeys(f.split(":")[0] for f in sig.flags_before + sig.flags_after):
-        text.append(f" {kind}!", style="bold yellow")
+        text.append(f" [{100 * (sig.interval[0] - 1):+.1f}%, {100 * (sig.interval[1] - 1):+.1f}%]",
+                    style="dim" if sig.not_judged else "")
     return text
 
 
@@ -252,7 +258,9 @@ def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A
             row.sort["significant"] = cell.significance.p_value if cell.significance else None
         rows.append(row)
     return Grid(DELTA_COLUMNS, rows, title=Text(title, style="bold"),
-                caption=f"relative change of the candidate; green better, red worse; significant: {test}")
+                caption=f"relative change of the candidate; green better, red worse; significant: {test}, judged only "
+                        "where neither run was busy, each run's noise is below the threshold (--fail-on, else the change) "
+                        "and the change is beyond any A/A floor; ~: not judged, and why")
 
 
 def print_deltas(cells: list[CellComparison], before: str, after: str, test: str, console: Console,
@@ -293,11 +301,11 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
         if rec.runners_up:
             table = Table(title="runners-up", header_style="bold", title_justify="left",
                           caption="vs best: throughput against the recommended cell; significant: Welch's t over repeats, "
-                                  "with the 95% interval of the ratio")
+                                  "with the 95% interval of the ratio, as compare judges it (~: not judged, and why)")
             for col in ["cell", "samples/s", "vs best", "significant", "device", "host", "AUC"]:
                 table.add_column(col, justify="left" if col == "cell" else "right")
             for c in rec.runners_up:
-                sig = Significance("", c.p_value, c.significant, 0, 0, interval=c.interval, flags_after=c.flags)
+                sig = Significance("", c.p_value, c.significant, 0, 0, interval=c.interval, not_judged=c.not_judged)
                 table.add_row(Text(c.cell_id), f"{c.throughput:,.0f}", f"{100 * c.relative_to_best:+.1f}%",
                               _significance_text(sig), format_bytes(c.device_bytes), format_bytes(c.host_bytes),
                               "-" if c.auc is None else f"{c.auc:.4f}")
@@ -328,7 +336,9 @@ def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], bud
         tables = plan["tables"]
         console.print()
         table = Table(title=Text(f"torchrec's plan at {world} rank(s), {format_bytes(budget.device_bytes)} device memory "
-                                 "per rank", style="bold"), title_justify="left", header_style="bold",
+                                 f"per rank, {format_bytes(plan['host_bytes'])} host memory"
+                                 + ("" if budget.host_bytes else " (this machine's: --host-memory sets it)"),
+                                 style="bold"), title_justify="left", header_style="bold",
                       caption="torchrec's EmbeddingShardingPlanner and EmbeddingOffloadScaleupProposer, with the cache "
                               "curve's LRU miss rates; rows in fp32; device MiB: its storage estimate (an estimate, not "
                               "measured)")

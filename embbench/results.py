@@ -117,6 +117,8 @@ class Accuracy(TypedDict):
     auc_missing: NotRequired[str]  # why auc is None (one class only: undefined)
     logloss: NotRequired[NonNegative | None]
     eval_samples: NotRequired[Count]
+    auc_standard_error: NotRequired[NonNegative]  # over the evaluation samples (DeLong)
+    eval_file: NotRequired[str]  # each sample's score and label, in the run's eval/ folder
     # the training loss's course: its first value, and its highest with the step (absent in older records)
     train_loss_first: NotRequired[NonNegative]
     train_loss_peak: NotRequired[NonNegative]
@@ -586,6 +588,32 @@ def read_record(path: Path) -> Record:
 
 #: A run's cache curve (``embbench curve --out RUN/curve.json``), beside its records and not one.
 RUN_CURVE = "curve.json"
+
+#: The key of a rank's accuracy under which the runner hands the launcher each evaluation
+#: sample's score and label; the launcher moves them into ``<run>/eval/<cell>.npz``
+#: (:func:`write_eval_scores`) and the record keeps the file's name (``accuracy.eval_file``).
+EVAL_SCORES = "eval_scores"
+EVAL_DIR = "eval"
+
+
+def write_eval_scores(path: Path, scores: list[float], labels: list[int]) -> Path:
+    """A cell's evaluation scores (logits) and labels, for tests of AUCs on the same samples."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda f: np.savez_compressed(f, scores=np.asarray(scores, dtype=np.float32),
+                                                             labels=np.asarray(labels, dtype=np.uint8)))
+
+
+def read_eval_scores(path: Path) -> tuple[Any, Any]:
+    """(scores, labels) of :func:`write_eval_scores`; a RecordError naming a missing or damaged file."""
+    import numpy as np
+
+    try:
+        with np.load(path) as data:
+            return data["scores"], data["labels"]
+    except (OSError, ValueError, KeyError) as e:
+        raise RecordError(f"{path}: evaluation scores missing or damaged ({type(e).__name__}: {e})") from None
 
 
 def load_records(paths: Path | list[Path], on_damaged: Callable[[RecordError], None] | None = None) -> list[Record]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from embbench import noise
 from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
+from embbench.data.sources import eval_batches
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
 from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, miss_rate, peak_rss_bytes,
@@ -31,6 +33,7 @@ from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, 
 from embbench.model import build_model
 from embbench.outputs import atomic_write
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
+from embbench.results import EVAL_SCORES
 from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
@@ -106,6 +109,7 @@ class _Training:
     #: every step's training loss, in order (device tensors: read once, at the end)
     losses: list[torch.Tensor] = field(default_factory=list)
     row_bytes: int = 0  # one row's weights, scale and optimizer state in the cell's row type
+    eval_batches: int = 0  # run.eval_batches, at most those the held-out rows hold (each scored once)
 
     @property
     def device(self) -> torch.device:
@@ -227,7 +231,8 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
         torch.cuda.reset_peak_memory_stats(device)
     return _Training(run, env, process_group, cell.strategy, tables, global_batch, data, stream, train_steps, sparse,
                      build_seconds, model, dense_optimizer,
-                     row_bytes=row_type(cell.row_precision).row_bytes(tables[0].dim, ctx.optimizer.state_width))
+                     row_bytes=row_type(cell.row_precision).row_bytes(tables[0].dim, ctx.optimizer.state_width),
+                     eval_batches=eval_batches(scenario.data, run))
 
 
 # --- warm up ------------------------------------------------------------------------------------
@@ -395,11 +400,11 @@ def _evaluate(training: _Training, report: "_Progress") -> dict[str, Any]:
     """The last training losses (the same batches in every cell: :func:`_catch_up`), and AUC and
     log loss on a held-out stream, never seen by training or frequency statistics."""
     run, env, group = training.run, training.env, training.process_group
-    report("eval", 0, run.eval_batches, force=True)
+    report("eval", 0, training.eval_batches, force=True)
     training.model.eval()
     logits, labels = [], []
     with torch.no_grad():
-        for i in range(run.eval_batches):
+        for i in range(training.eval_batches):
             batch = training.data.batch(Stream.EVAL, i, training.global_batch).shard(env.rank, env.world_size)
             logits.append(training.model(batch.dense, training.pooled(batch.sparse)))
             labels.append(batch.labels)
@@ -412,7 +417,25 @@ def _evaluate(training: _Training, report: "_Progress") -> dict[str, Any]:
         _check_finite_values({"the evaluation logits": all_logits})
         auc, logloss, no_auc = auc_logloss(all_logits, all_labels)
         accuracy.update(auc=auc, logloss=logloss, eval_samples=all_labels.numel(), **({"auc_missing": no_auc} if no_auc else {}))
+        if auc is not None:
+            accuracy.update(_auc_noise(all_logits, all_labels))
+        if env.rank == 0:  # the launcher moves them into the run's eval/ folder (EVAL_SCORES)
+            accuracy[EVAL_SCORES] = {"scores": all_logits.float().cpu().flatten().tolist(),
+                                     "labels": all_labels.cpu().flatten().int().tolist()}
     return accuracy
+
+
+def _auc_noise(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """The AUC's standard error over the evaluation samples (DeLong), where scipy is installed
+    and both labels occur twice or more (one sample of a label has no variance to estimate)."""
+    from embbench.optional import MissingDependency
+    from embbench.stats import auc_standard_error
+
+    try:
+        error = auc_standard_error(labels.cpu().flatten().numpy(), logits.float().cpu().flatten().numpy())
+    except MissingDependency:
+        return {}
+    return {"auc_standard_error": error} if math.isfinite(error) else {}
 
 
 def _loss_course(losses: list[torch.Tensor]) -> dict[str, Any]:

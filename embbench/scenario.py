@@ -489,16 +489,25 @@ def load_scenario(
     steps: int | None = None,
     scale: float | None = None,
     strategies: list[str] | None = None,
+    batch_size: int | None = None,
+    embedding_dim: int | None = None,
 ) -> tuple[Scenario, list[Cell]]:
-    """Read, override (command-line flags), validate and expand a scenario file."""
+    """Read, override (command-line flags), validate and expand a scenario file. With
+    ``embedding_dim``, the bottom MLP's last layer follows it (DLRM and DCNv2 need the two equal)."""
     path = Path(path)
     raw = read_yaml(path)
+    overrides = {("run", "steps"): steps, ("data", "scale"): scale, ("data", "batch_size"): batch_size,
+                 ("data", "embedding_dim"): embedding_dim}
     if isinstance(raw, dict):
         # Overrides go into the sections; a section that is not a mapping fails validation, named.
-        if steps is not None and isinstance(raw.setdefault("run", {}), dict):
-            raw["run"]["steps"] = steps
-        if scale is not None and isinstance(raw.setdefault("data", {}), dict):
-            raw["data"]["scale"] = scale
+        for (section, key), value in overrides.items():
+            if value is not None and isinstance(raw.setdefault(section, {}), dict):
+                raw[section][key] = value
+        model = raw.get("model", {})
+        if embedding_dim is not None and isinstance(model, dict):
+            bottom = model.get("bottom_mlp", ModelConfig.model_fields["bottom_mlp"].get_default(call_default_factory=True))
+            if isinstance(bottom, list) and bottom:
+                raw["model"] = {**model, "bottom_mlp": [*bottom[:-1], embedding_dim]}
     scenario, cells = parse_scenario(raw, str(path))
     if strategies:
         unknown = set(strategies) - {c.strategy for c in cells}

@@ -21,7 +21,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["LEVEL", "RatioTest", "RepeatSummary", "log_t_interval", "ratio_test", "repeat_medians", "summarize_repeats"]
+__all__ = ["LEVEL", "AucComparison", "RatioTest", "RepeatSummary", "auc_standard_error", "delong", "log_t_interval",
+           "ratio_test", "repeat_medians", "summarize_repeats"]
 
 #: The confidence level of every interval embbench prints.
 LEVEL = 0.95
@@ -123,3 +124,77 @@ def ratio_test(before: list[float], after: list[float], level: float = LEVEL) ->
     half = float(t.ppf((1 + level) / 2, df)) * se
     p = float(2 * t.sf(abs(diff) / se, df))
     return RatioTest(ratio, (math.exp(diff - half), math.exp(diff + half)), p, len(a), len(b))
+
+
+# --- accuracy: AUCs on the same evaluation samples ------------------------------------------------
+
+
+def _delong_components(labels, scores):
+    """DeLong's structural components of each model's AUC (Sun & Xu's midrank form): the AUCs,
+    and per positive (``v10``) and per negative (``v01``) sample each model's share of them."""
+    import numpy as np
+
+    from embbench.optional import require
+
+    rankdata = require("scipy.stats", "the standard error of an AUC (DeLong)").rankdata
+    labels = np.asarray(labels).astype(bool)
+    scores = np.atleast_2d(np.asarray(scores, dtype=np.float64))
+    pos, neg = scores[:, labels], scores[:, ~labels]
+    m, n = pos.shape[1], neg.shape[1]
+    if m == 0 or n == 0:
+        raise ValueError("an AUC needs evaluation samples of both labels")
+    both = rankdata(np.concatenate([pos, neg], axis=1), axis=1)
+    within_pos, within_neg = rankdata(pos, axis=1), rankdata(neg, axis=1)
+    aucs = (both[:, :m].sum(axis=1) - m * (m + 1) / 2) / (m * n)
+    v10 = (both[:, :m] - within_pos) / n
+    v01 = 1 - (both[:, m:] - within_neg) / m
+    return aucs, v10, v01
+
+
+def auc_standard_error(labels, scores) -> float:
+    """The standard error of one AUC over its evaluation samples (DeLong's variance); NaN
+    where a label occurs once (no variance to estimate)."""
+    import numpy as np
+
+    _, v10, v01 = _delong_components(labels, scores)
+    if min(v10.shape[1], v01.shape[1]) < 2:
+        return math.nan
+    return float(np.sqrt(v10.var(ddof=1) / v10.shape[1] + v01.var(ddof=1) / v01.shape[1]))
+
+
+@dataclass(frozen=True)
+class AucComparison:
+    """Two models' AUCs on the same samples: ``b - a`` with its standard error and p-value."""
+
+    auc_a: float
+    auc_b: float
+    standard_error: float
+    p_value: float
+    #: the samples' covariance taken out (DeLong); False: two standard errors, unpaired
+    paired: bool = False
+    #: the evaluation samples (None: not known)
+    samples: int | None = None
+
+    @property
+    def difference(self) -> float:
+        return self.auc_b - self.auc_a
+
+
+def delong(labels, scores_a, scores_b) -> AucComparison:
+    """DeLong's test of two AUCs on the same evaluation samples (paired: their covariance over
+    the samples taken out), two-sided.
+
+    Raises:
+        MissingDependency: scipy is not installed.
+    """
+    import numpy as np
+
+    from embbench.optional import require
+
+    norm = require("scipy.stats", "the comparison of AUCs (DeLong's test)").norm
+    aucs, v10, v01 = _delong_components(labels, np.stack([scores_a, scores_b]))
+    cov = np.cov(v10) / v10.shape[1] + np.cov(v01) / v01.shape[1]
+    se = float(np.sqrt(max(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1], 0.0)))
+    diff = float(aucs[1] - aucs[0])
+    p = (0.0 if diff else 1.0) if se == 0 else float(2 * norm.sf(abs(diff) / se))
+    return AucComparison(float(aucs[0]), float(aucs[1]), se, p, paired=True, samples=len(labels))

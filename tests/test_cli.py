@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from embbench.scenario import load_scenario
@@ -16,6 +17,7 @@ def embbench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embbench.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path):
     out = tmp_path / "run"
     proc = embbench("run", "scenarios/smoke.yaml", "--steps", "3", "--out", str(out))
@@ -72,6 +74,7 @@ def _tsv_scenario_file(tmp_path: Path, data: dict, strategies: list[dict]) -> Pa
     return path
 
 
+@pytest.mark.slow
 def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
@@ -84,6 +87,16 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(p.read_text()) for p in (tmp_path / "run").glob("*.json")]
     assert len(records) == 4 and all(r["status"] == "ok" and 0 < r["metrics"]["accuracy"]["auc"] < 1 for r in records)
+    # each cell's evaluation scores beside the records, on the same samples (issue 41: recommend's DeLong test)
+    from embbench.results import read_eval_scores
+    from embbench.stats import auc_standard_error
+
+    scored = [read_eval_scores(tmp_path / "run" / "eval" / r["metrics"]["accuracy"]["eval_file"]) for r in records]
+    for r, (scores, labels) in zip(records, scored):
+        accuracy = r["metrics"]["accuracy"]
+        assert len(labels) == accuracy["eval_samples"] and (labels == scored[0][1]).all()
+        assert accuracy["auc_standard_error"] == pytest.approx(auc_standard_error(labels, scores))
+        assert "eval_scores" not in accuracy
     assert list(cache.glob("files/train.txt-*/meta.json")), "the parsed file is kept in --data-cache"
 
     trace = tmp_path / "ids.npz"
@@ -96,6 +109,7 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
@@ -113,3 +127,64 @@ def test_data_check_names_the_bad_line_and_a_bad_file_runs_nothing(tmp_path):
     proc = embbench("run", str(scenario), "--out", str(tmp_path / "run"))
     assert proc.returncode == 2 and f"{data}:42: column 21" in proc.stderr
     assert not list((tmp_path / "run").glob("*.json"))
+
+
+def test_run_takes_the_shape_as_flags_into_a_directory_named_after_the_scenario(tmp_path, capsys, monkeypatch):
+    """--batch-size and --embedding-dim override the scenario (the bottom MLP's last layer
+    follows the dim), commands printed for the run carry them, and the default run directory
+    is named after the scenario's name, not its file's."""
+    from conftest import tiny_scenario
+    from embbench.cli import main
+    from embbench.commands import effective_flags, run_command
+    from tests.test_trust_rounds import _in_process_cells
+
+    _in_process_cells(monkeypatch)  # the record's scenario is the point, not its measurement
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "a_file_name.yaml"
+    path.write_text(yaml.safe_dump(tiny_scenario(name="my scenario", strategies=[{"name": "device"}])))
+    assert main(["run", str(path), "--batch-size", "32", "--embedding-dim", "4", "--quiet"]) == 0, capsys.readouterr()
+    (run,) = (tmp_path / "results" / "runs").iterdir()
+    assert run.name.startswith("my_scenario-")
+    (record,) = run.glob("*.json")
+    config = json.loads(record.read_text())["scenario"]["config"]
+    assert (config["data"]["batch_size"], config["data"]["embedding_dim"], config["model"]["bottom_mlp"]) == (32, 4, [16, 4])
+    flags = effective_flags(config)
+    assert (flags["batch_size"], flags["embedding_dim"]) == (32, 4)
+    assert run_command("s.yaml", batch_size=32, embedding_dim=4) == "embbench run s.yaml --batch-size 32 --embedding-dim 4"
+
+
+def test_the_data_folder_is_ignored_by_git_and_the_data_package_is_not():
+    """Criteo files copied into data/ (as docs/data.md does) never show up as changes."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index", path]).returncode == 0
+
+    assert ignored("data/criteo_kaggle/train.txt") and ignored("data/cache/x.npy")
+    assert not ignored("embbench/data/new_source.py")
+
+
+def test_printed_commands_start_with_the_executable_the_user_typed(tmp_path):
+    """A command printed to be pasted runs as printed: the console script as typed, or the
+    interpreter with -m embbench.cli."""
+    import os
+    import shlex
+
+    from conftest import tiny_scenario
+    from embbench.data.fake_criteo import write_fake_criteo
+
+    script = Path(sys.executable).with_name("embbench")
+    if not script.exists():
+        pytest.skip(f"no console script beside {sys.executable}")
+    write_fake_criteo(tmp_path / "day_0", 1200)
+    scenario, cache = tmp_path / "s.yaml", tmp_path / "cache"
+    raw = tiny_scenario()
+    raw["data"] = {"source": "criteo_tsv", "path": str(tmp_path / "day_0"), "embedding_dim": 8, "batch_size": 64}
+    scenario.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for program in ([str(script)], [sys.executable, "-m", "embbench.cli"]):
+        proc = subprocess.run([*program, "data", "prepare", str(scenario), "--data-cache", str(cache)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"run it with: {shlex.join([*program, 'run', str(scenario), '--data-cache', str(cache)])}" in proc.stdout

@@ -219,7 +219,8 @@ def test_a_drop_inside_the_noise_cannot_be_judged():
                             [make_record(step_times=_repeats([m * 1.06 for m in noisy], seed=3), repeats=5)])
     assert regressions(cells, 0.05) == []
     (why,) = cannot_judge(cells, 0.05)
-    assert why.startswith("device@w1: cannot judge at 5%: noise ±") and float(why.split("±")[1].rstrip("%")) > 5
+    assert why.startswith("device@w1: cannot judge at 5%: noise ±") and float(why.split("±")[1].split("%")[0]) > 5
+    assert " in A, wider than 5%" in why
 
 
 def test_a_noisy_cell_cannot_be_judged_even_when_its_interval_lies_beyond():
@@ -242,13 +243,75 @@ def test_a_busy_machine_cannot_be_judged_even_when_the_interval_is_beyond():
                             [make_record(step_times=_repeats([m * 2 for m in _STEADY]), repeats=5, noise=busy)])
     assert regressions(cells, 0.05) == []
     (why,) = cannot_judge(cells, 0.05)
-    assert "busy: other processes took 60% of the 2 cores" in why
+    assert why.endswith("cannot judge at 5%: busy in B: other processes took 60% of the 2 cores")  # names the run
 
 
 def test_a_cell_that_ran_and_now_fails_fails_the_gate_and_an_unsupported_one_does_not():
     before = [make_record("device"), make_record("cpu")]
     after = [make_record("device", status="oom", message="CUDA out of memory"), make_record("cpu", status="unsupported")]
     assert regressions(compare_records(before, after), 0.05) == ["device@w1: was ok, now oom"]
+
+
+_BUSY = {"others_cpu_share": 0.6, "steal_share": 0.0, "cores": 2}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1.0, 20.0), min_size=1, max_size=5), st.lists(st.floats(1.0, 20.0), min_size=1, max_size=5),
+       st.booleans(), st.booleans(), st.sampled_from([None, 0.01, 0.05, 0.10, 0.50]))
+def test_the_verdict_column_agrees_with_the_gate(before_ms, after_ms, busy_a, busy_b, threshold):
+    """Issue 41: whatever the repeats, a cell the gate cannot judge reads "~" and why, never
+    "yes"; a cell the gate fails reads "yes"; a cell reads "yes" only when its p-value is below
+    alpha and neither run was busy."""
+    from embbench.report import _significance_text
+
+    a = make_record(step_times=_repeats(before_ms), repeats=len(before_ms), **({"noise": _BUSY} if busy_a else {}))
+    b = make_record(step_times=_repeats(after_ms, seed=1), repeats=len(after_ms), **({"noise": _BUSY} if busy_b else {}))
+    (cell,) = compare_records([a], [b], threshold=threshold)
+    text = _significance_text(cell.significance).plain
+    if threshold is not None:
+        undecided, failed = cannot_judge([cell], threshold), regressions([cell], threshold)
+        assert bool(undecided) == text.startswith("~") and not (undecided and failed)
+        assert not failed or text.startswith("yes")
+    if text.startswith("yes"):
+        assert not (busy_a or busy_b) and cell.significance.p_value < 0.05
+    if busy_a or busy_b:
+        assert text.startswith("~") and ("busy in A" in text) == busy_a and ("busy in B" in text) == busy_b
+
+
+def test_a_compare_of_two_busy_runs_of_one_commit_reads_no_yes_and_names_the_busy_run(tmp_path, capsys):
+    """Issue 41's A/A pair: both runs busy, B twice as fast with a tight interval. Welch's t says
+    p < 0.001; the table, the gate and the HTML report say it is not judged, and why."""
+    a = write_run(tmp_path / "a", [make_record("device", step_times=_repeats(_STEADY), repeats=5, noise=_BUSY)])
+    b = write_run(tmp_path / "b", [make_record("device", step_times=_repeats([m / 2 for m in _STEADY]), repeats=5,
+                                               noise=_BUSY)])
+    assert main(["compare", str(a), str(b), "--fail-on", "10%"]) == CANNOT_JUDGE
+    out = capsys.readouterr().out
+    assert "yes p=" not in out and "~ busy in A" in out.replace("\n", " ")
+    assert "device@w1: cannot judge at 10%: busy in A: other processes took 60% of the 2 cores; busy in B:" in out
+    assert main(["compare", str(a), str(b)]) == 0 and "yes p=" not in capsys.readouterr().out
+    from embbench.compare import load_runs
+    from embbench.html_report import render_report
+
+    page = render_report(load_runs([a, b]))
+    assert "yes p=" not in page and "~ busy in A" in page
+
+
+def test_a_run_of_the_baselines_code_again_sets_the_floor_a_candidate_is_held_to(tmp_path, capsys):
+    """``compare A A2 B``: A2 is A's code and scenario again (an A/A pair) and moved 8%; B, 6%
+    faster with a tight interval, is within that floor: not "yes", and a gate at 5% cannot judge it."""
+    change = json.loads(json.dumps(PROVENANCE))
+    change["git"]["commit"] = "1" * 40
+    a = write_run(tmp_path / "a", [make_record("device", step_times=_repeats(_STEADY), repeats=5)])
+    a2 = write_run(tmp_path / "a2", [make_record("device", step_times=_repeats([m * 1.08 for m in _STEADY], seed=4),
+                                                 repeats=5)])
+    b = write_run(tmp_path / "b", [make_record("device", step_times=_repeats([m / 1.06 for m in _STEADY], seed=5),
+                                               repeats=5, provenance=change)])
+    assert main(["compare", str(a), str(b)]) == 0
+    assert "yes p=" in capsys.readouterr().out  # alone, B's change is beyond its noise
+    assert main(["compare", str(a), str(a2), str(b), "--fail-on", "5%"]) == CANNOT_JUDGE
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "yes p=" not in out and "device@w1: cannot judge at 5%: within the A/A noise floor (±8." in out
+    assert main(["compare", str(a), str(a2), str(b), "--fail-on", "10%"]) == 0  # the floor is within 10%: judged
 
 
 @pytest.mark.parametrize("text, value", [("5%", 0.05), (" 12.5% ", 0.125), ("0%", 0.0)])
@@ -285,7 +348,7 @@ def test_compare_prints_deltas_names_the_test_and_exits_0_without_a_gate(runs, c
     assert main(["compare", str(base), str(slower)]) == 0
     out = capsys.readouterr().out
     assert "device@w1" in out and "cpu@w1" in out and "Welch's t" in out
-    assert "-1" in out and "yes p=" in out and "A/A" not in out
+    assert "-1" in out and "yes p=" in out and "A/A: the same scenario" not in out
 
 
 def test_compare_fail_on_exits_1_on_a_significant_drop_and_0_within_the_threshold(runs, capsys):

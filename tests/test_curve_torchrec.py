@@ -2,6 +2,7 @@
 and torchrec's own EmbeddingOffloadScaleupProposer plans with it (on the CPU: planning needs no GPU)."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,8 @@ def test_recommend_prints_torchrecs_plan_beside_its_own(plan_run, capsys):
     out = " ".join(capsys.readouterr().out.split())
     pick = "uvm_cache[algorithm=lru,cache_ratio=0.05]@w1"
     assert f"recommended: {pick}" in out
-    assert out.index(f"recommended: {pick}") < out.index("torchrec's plan at 1 rank(s), 16.00 MiB device memory per rank")
+    assert out.index(f"recommended: {pick}") < out.index("torchrec's plan at 1 rank(s), 16.00 MiB device memory per rank, ")
+    assert "host memory (this machine's: --host-memory sets it)" in out
     assert "fused_uvm_caching" in out and "total │ 500,000" in out
     assert f"embbench measured: {pick}; torchrec plans fused_uvm_caching for " in out
 
@@ -121,6 +123,7 @@ def test_torchrecs_plan_in_json_fits_the_budget_and_follows_it(plan_run, capsys)
         (rec,) = json.loads(capsys.readouterr().out)
         plan = rec["torchrec_plan"]
         assert plan["unavailable"] is None and [t["name"] for t in plan["tables"]] == ["t0", "t1"]
+        assert plan["host_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # measured, not 128 GB
         assert sum(t["device_bytes"] for t in plan["tables"]) <= plan["device_bytes_per_rank"]
         plans[budget] = {t["name"]: (t["compute_kernel"], t["load_factor"]) for t in plan["tables"]}
     # 16 MiB cannot hold 30.5 MiB of rows: torchrec caches; with 1 GiB each table gets a larger cache or the device.
@@ -142,8 +145,11 @@ def test_no_torchrec_plan_is_one_line_and_the_exit_code_of_the_answer(plan_run, 
     assert main(["recommend", str(run), "--device-memory", "16MiB", "--torchrec-plan"]) == 0
     assert f"not made: {run / 'curve.json'}: not a curve of these tables (no t0, t1)" in " ".join(capsys.readouterr().out.split())
     _write_curve(run / "curve.json", ("t0", "t1"))
-    assert main(["recommend", str(run), "--device-memory", "1MiB", "--torchrec-plan"]) == 0  # below torchrec's reservation
-    assert "torchrec plan at 1 rank(s): not made: PlannerError: " in capsys.readouterr().out
+    assert main(["recommend", str(run), "--device-memory", "1MiB", "--host-memory", "2GiB",
+                 "--torchrec-plan"]) == 0  # below torchrec's reservation
+    out = " ".join(capsys.readouterr().out.split())  # torchrec's PlannerError, said in one line with the budget
+    assert ("torchrec plan at 1 rank(s): not made: torchrec's planner finds no plan of these tables for 1.00 MiB device "
+            "and 2.00 GiB host memory per rank") in out and "PlannerError" not in out and "128" not in out
     (run / "curve.json").write_text("{")  # damaged: the answer itself refuses it, with or without the plan
     for flags in ([], ["--torchrec-plan"]):
         assert main(["recommend", str(run), "--device-memory", "16MiB", *flags]) == 2

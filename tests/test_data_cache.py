@@ -247,7 +247,8 @@ def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path):
     proc = _cli(tmp_path, "run", str(scenario), "--data-cache", str(cache), "--out", str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr
     assert (f"error: data cache entry {labels.parent}: labels.npy is 2,000 bytes, manifest.json says" in proc.stderr
-            and f"run `embbench data prepare {scenario} --data-cache {cache}`" in proc.stderr), proc.stderr
+            and f"run `{sys.executable} -m embbench.cli data prepare {scenario} --data-cache {cache}`" in proc.stderr), \
+        proc.stderr  # the command as it can be pasted: the program as this test started it
     assert not list((tmp_path / "run").glob("*.json")), "no cell ran"
 
 

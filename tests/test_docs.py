@@ -4,6 +4,9 @@ spaces to hyphens, ``-1``, ``-2`` ... for repeated headings)."""
 
 from __future__ import annotations
 
+import ast
+import os
+import random
 import re
 from pathlib import Path
 
@@ -66,3 +69,87 @@ def test_the_checker_finds_a_missing_file_and_a_missing_anchor(tmp_path):
     (tmp_path / "docs" / "a.md").write_text("# A\n\n## More\n\n## More\n\n[back](../README.md#top)\n")
     assert broken_links(tmp_path) == ["README.md: docs/b.md (no file docs/b.md)",
                                       "README.md: docs/a.md#nothing (no heading #nothing in a.md)"]
+
+
+# --- examples produced by the commands ------------------------------------------------------------
+
+#: A marked block of a page that a command's output fills: ``<!-- example: NAME -->`` ... ``<!-- /example -->``.
+_EXAMPLE = re.compile(r"(<!-- example: (?P<name>[\w-]+) .*?-->\n)(?P<body>.*?)(<!-- /example -->)", re.S)
+
+
+def _recommend_example(tmp_path: Path, monkeypatch, capsys) -> str:
+    """``recommend`` on fixed records in the shape of a CPU-only smoke run (tables of 2.19 MiB),
+    with 1 MiB of device memory: what docs/measurement.md shows."""
+    from record_factory import make_record, write_run
+    from rich.console import Console
+
+    from embbench import cli
+
+    mib = 1 << 20
+
+    jitter = random.Random(0)
+
+    def cell(strategy, params=None, ms=10.0, device=0.0, **kw):
+        steps = [ms / 1000 * (1 + 0.03 * jitter.random()) for _ in range(15)]
+        return make_record(strategy, params, step_times=steps, repeats=5, device_bytes=int(device * mib),
+                           host_bytes=3 * mib, **kw)
+
+    def auc(value):  # 2,048 evaluation samples: DeLong's standard error about 0.011
+        return {"accuracy": {"train_loss_last10": 0.5, "auc": value, "logloss": 0.5, "eval_samples": 2048,
+                             "auc_standard_error": 0.011}}
+
+    records = [
+        cell("device", ms=9.1, device=2.19, **auc(0.7502)),
+        cell("cpu", ms=31.0, **auc(0.7502)),
+        cell("gpu_sharded", {"sharding": "table_wise"}, ms=9.8, device=2.19, **auc(0.7502)),
+        cell("freqcache", {"cache_ratio": 0.01, "policy": "lfu"}, ms=16.4, device=0.33, **auc(0.7502)),
+        cell("freqcache", {"cache_ratio": 0.05, "policy": "lfu"}, ms=12.2, device=0.48, **auc(0.7502)),
+        cell("fae", {"hot_ratio": 0.05, "profile_fraction": 0.2}, ms=13.1, device=0.41, **auc(0.7481)),
+        make_record("uvm", status="unsupported", message="needs CUDA"),
+    ]
+    monkeypatch.chdir(tmp_path)
+    write_run(Path("results/runs/smoke"), records)
+    monkeypatch.setattr(cli, "console", Console(width=120, color_system=None, emoji=False))
+    argv = ["recommend", "results/runs/smoke", "--device-memory", "1MiB"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    return "".join(f"    {line}".rstrip() + "\n" for line in [f"$ embbench {' '.join(argv)}", *out.rstrip().splitlines()])
+
+
+def test_the_docs_examples_are_what_the_commands_print(tmp_path, monkeypatch, capsys):
+    """Each marked example of docs/measurement.md is the output of its command on fixed
+    records; ``EMBBENCH_UPDATE_DOCS=1`` rewrites the blocks (review the diff)."""
+    page = ROOT / "docs" / "measurement.md"
+    text = page.read_text()
+    rendered = {"recommend": _recommend_example(tmp_path, monkeypatch, capsys)}
+    blocks = {m["name"]: m["body"] for m in _EXAMPLE.finditer(text)}
+    assert set(blocks) == set(rendered), f"{page.name}: marked examples {sorted(blocks)}, expected {sorted(rendered)}"
+    if os.environ.get("EMBBENCH_UPDATE_DOCS"):
+        page.write_text(_EXAMPLE.sub(lambda m: m[1] + rendered[m["name"]] + m[4], text))
+    for name, body in blocks.items():
+        assert body == rendered[name], (f"{page.name}: the {name} example is not what the command prints now; "
+                                        "rerun with EMBBENCH_UPDATE_DOCS=1 and review the diff")
+
+
+# --- the fast tier ------------------------------------------------------------------------------
+
+def _marked_slow(node) -> bool:
+    return any("mark.slow" in ast.unparse(d) for d in node.decorator_list)
+
+
+def test_a_test_that_runs_a_shipped_scenario_is_in_the_slow_tier_and_the_readme_says_how_to_skip_it():
+    """`pytest -m "not slow"` (the README's fast tier) runs no shipped scenario end to end: a
+    test that runs one to success (`run scenarios/...`, not `--dry-run`, exit 0) is marked slow."""
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        source = path.read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                body = ast.get_source_segment(source, node)
+                runs_one = (re.search(r"""["']run["'],\s*["']scenarios/""", body) and "--dry-run" not in body
+                            and re.search(r"(returncode|code)\s*==\s*0", body))
+                if runs_one and not _marked_slow(node):
+                    unmarked.append(f"{path.name}::{node.name}")
+    assert unmarked == []
+    readme = (ROOT / "README.md").read_text()
+    assert '-m "not slow"' in readme and "--durations" in readme

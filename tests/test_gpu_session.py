@@ -24,6 +24,7 @@ def _archived(out: Path) -> dict[str, str]:
         return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
 
 
+@pytest.mark.slow
 @pytest.mark.rehearsal
 def test_the_rehearsal_runs_the_session_s_sequence_on_the_cpu_and_archives_each_result(tmp_path):
     """The CUDA tests (all skipped here, but every node must exist), the headline cells

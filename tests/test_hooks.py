@@ -293,6 +293,7 @@ def test_every_record_counts_operators_and_can_carry_a_profile(tmp_path):
     assert seen[-1] == "eval" and seen == sorted(seen, key=order.index)
 
 
+@pytest.mark.slow
 def test_every_cell_is_evaluated_after_the_same_batches_whatever_its_warm_up(tmp_path):
     """A cache that warms up longer than the baseline catches up, untimed, before the evaluation:
     both trained the same batches, so the exact one's losses and weights are compared with the

@@ -26,6 +26,7 @@ STRATEGIES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_type", ["sgd", "rowwise_adagrad"])
 def test_two_ranks_train_what_one_process_trains(tmp_path, opt_type):
     raw = tiny_scenario(optimizer={"embedding": {"type": opt_type, "lr": 0.1}}, run={"world_size": [1, 2]},
@@ -128,6 +129,7 @@ def test_projection_counts_the_bytes_a_measured_run_sent_and_reproduces_its_step
     assert faster[0]["step_s"] < row["step_s"] and faster[1]["comm_bytes_per_rank"] > 0
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_rank_runs_the_cells_of_the_job_size(tmp_path):
     """`torchrun ... -m embbench.cli run`: cells of the job's world size run in the ranks,
     others are recorded as unsupported, rank 0 writes and prints."""

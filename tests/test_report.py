@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from record_factory import make_record, write_run
 from rich.console import Console
@@ -127,6 +128,7 @@ def test_on_a_terminal_the_phase_step_and_eta_are_shown():
 
 # -- run end to end ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(tiny_scenario(strategies=[{"name": "device"}])))
@@ -143,3 +145,25 @@ def test_run_quiet_with_profile_writes_traces_and_show_lists_the_top_operators(t
     shown = subprocess.run([sys.executable, "-m", "embbench.cli", "show", str(out)], cwd=ROOT, capture_output=True,
                            text=True, timeout=300)
     assert "device@w1: top operators by self host time" in shown.stdout
+
+
+def test_an_auc_from_too_few_evaluation_samples_says_so_under_the_table():
+    """An AUC whose 95% interval reaches 0.5 (a coin) is said to mean little; one measured on
+    enough held-out rows, or without a standard error (an older record), is not."""
+    from embbench.metrics import too_few_eval_samples
+    from embbench.report import print_comparison
+
+    few, many = make_record("device"), make_record("freqcache", {"cache_ratio": 0.1})
+    few.metrics["accuracy"].update(auc=0.514, auc_standard_error=0.13, eval_samples=20)
+    many.metrics["accuracy"].update(auc=0.75, auc_standard_error=0.012, eval_samples=2048)
+    assert too_few_eval_samples(many.metrics["accuracy"]) is None
+    assert too_few_eval_samples({"auc": 0.51}) is None
+    import torch
+
+    from embbench.runner import _auc_noise  # one positive sample: no variance to estimate, no (NaN) error recorded
+    assert _auc_noise(torch.tensor([0.1, 0.2, 0.3]), torch.tensor([1.0, 0.0, 0.0])) == {}
+    out = io.StringIO()
+    print_comparison([few, many], Console(file=out, width=200, color_system=None))
+    lines = [line for line in out.getvalue().splitlines() if "evaluation samples" in line]
+    assert lines == ["device@w1: too few evaluation samples: AUC 0.514 ± 0.255 (95%, 20 samples) cannot be told from "
+                     "chance (0.5); score more held-out rows (data.eval, run.eval_batches)"]

@@ -288,3 +288,35 @@ def test_evaluation_files_are_never_counted(tmp_path):
     evaluated = np.load(ds.eval[0].ids_path)
     unseen = (eval_ids >= 0) & ~np.stack([np.isin(e, t) for e, t in zip(eval_ids.T, train_ids.T)], 1)
     assert unseen.any() and (evaluated[unseen] == RARE_ROW).all()
+
+
+def test_epochs_repeat_the_training_rows_and_each_held_out_row_is_evaluated_once(tmp_path, monkeypatch):
+    """A small sample with data.epochs: training reads its rows again, the evaluation reads each
+    held-out row once (as many whole batches as they hold, at most run.eval_batches), and a
+    batch past their end is refused, never taken from the start again."""
+    from embbench.data.sources import eval_batches
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    path = write_fake_criteo(tmp_path / "train.txt", 400, seed=1)  # 300 training and 100 held-out rows
+    raw = _tsv_scenario(path, eval_batches=4)
+    raw["data"] = {k: v for k, v in raw["data"].items() if k not in ("preset", "scale")}
+    raw["data"].update(batch_size=32, epochs=2)
+    scenario, _ = parse_scenario(raw)
+    assert eval_batches(scenario.data, scenario.run) == 3  # 100 rows hold 3 whole batches of 32, not 4
+    source = scenario.data_source("cpu")
+    assert source.batch(Stream.TRAIN, 12, 32).labels.shape == (32,)  # row 384 of 300: the second epoch
+    with pytest.raises(ValueError, match=r"evaluation batch 3 of 32 samples reads past the 100 held-out rows"):
+        source.batch(Stream.EVAL, 3, 32)
+    _, metrics = train_and_flush(raw, "device", tmp_path=tmp_path)
+    assert metrics["accuracy"]["eval_samples"] == 96
+
+
+def test_a_trace_evaluates_each_recorded_sample_once(tmp_path):
+    tables = make_tables("criteo_kaggle", 8, scale=1e-5)
+    out = tmp_path / "t.npz"
+    record_trace(SyntheticCriteo(tables, 7), [t.num_rows for t in tables], 16, 3, 2, out)
+    replay = TraceSource(Trace(out), seed=0)
+    assert replay.batch(Stream.TRAIN, 5, 16).size == 16  # training wraps around
+    assert replay.batch(Stream.EVAL, 1, 16).size == 16
+    with pytest.raises(ValueError, match=r"evaluation batch 2 of 16 samples reads past the 32 held-out rows"):
+        replay.batch(Stream.EVAL, 2, 16)

@@ -90,6 +90,7 @@ def _embbench(*argv) -> list[str]:
     return [sys.executable, "-m", "embbench.cli", *map(str, argv)]
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_out_is_refused_and_a_killed_one_leaves_no_stale_lock(tmp_path, plugin_path):
     raw = tiny_scenario(run={"time_limit_s": 600}, strategies=[{"name": "device"}, {"name": "sleeps"}])
     scenario, out = _write(tmp_path, raw), tmp_path / "run"

@@ -16,6 +16,8 @@ fbgemm cache is LRU, so the LRU line is the default.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,19 +101,20 @@ class PlannedTable:
 
 
 def plan_tables(tables: list, curve_path: str | Path, device_bytes: int, world_size: int = 1,
-                batch_size: int = 512, policy: str = "lru") -> list[PlannedTable]:
+                batch_size: int = 512, policy: str = "lru", host_bytes: int | None = None) -> list[PlannedTable]:
     """torchrec's plan for ``tables`` (:class:`~embbench.data.presets.TableSpec`, rows in fp32)
-    on ``world_size`` GPUs of ``device_bytes`` each: its ``EmbeddingShardingPlanner`` with the
-    curve's statistics (:func:`curve_constraints`) and its ``EmbeddingOffloadScaleupProposer``,
-    ``batch_size`` samples per rank. Planning needs no GPU. torchrec's ``PlannerError`` (no
-    plan fits) propagates; a curve without the tables, or measured on tables of other sizes, is
-    a ValueError naming the file."""
+    on ``world_size`` GPUs of ``device_bytes`` each, on one host of ``host_bytes`` (None: this
+    machine's memory, never torchrec's default of 128 GB a rank): its
+    ``EmbeddingShardingPlanner`` with the curve's statistics (:func:`curve_constraints`) and its
+    ``EmbeddingOffloadScaleupProposer``, ``batch_size`` samples per rank. Planning needs no GPU.
+    No plan that fits (torchrec's ``PlannerError``), a curve without the tables, or one measured
+    on tables of other sizes is a one-line ValueError."""
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.proposers import EmbeddingOffloadScaleupProposer
-    from torchrec.distributed.planner.types import Stats
+    from torchrec.distributed.planner.types import PlannerError, Stats
 
     curve_rows = read_curve(curve_path)["tables"]
     missing = [t.name for t in tables if t.name not in curve_rows]
@@ -137,10 +140,19 @@ def plan_tables(tables: list, curve_path: str | Path, device_bytes: int, world_s
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            topology = Topology(world_size=world_size, compute_device="cuda", hbm_cap=device_bytes)
+            host = host_bytes if host_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            topology = Topology(world_size=world_size, compute_device="cuda", hbm_cap=device_bytes,
+                                ddr_cap=host // world_size)
             planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, batch_size=batch_size,
                                                proposer=EmbeddingOffloadScaleupProposer(), stats=best)
             planner.plan(ebc, [EmbeddingBagCollectionSharder()])
+    except PlannerError as e:
+        shard = re.search(r"Shard of size Storage\(hbm=(\d+)", str(e))
+        raise ValueError(f"torchrec's planner finds no plan of these tables for {device_bytes / 2**20:,.2f} MiB device "
+                         f"and {host / world_size / 2**30:,.2f} GiB host memory per rank (less the share it "
+                         "reserves for the dense part and the batches)"
+                         + (f"; a shard it must place needs {int(shard[1]) / 2**20:,.2f} MiB on the device" if shard else "")
+                         + ": plan with a larger --device-memory") from None
     finally:
         torchrec_log.setLevel(level)
     rows = {t.name: t.num_rows for t in tables}

@@ -48,9 +48,10 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
+from embbench.commands import command
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
-from embbench.data.synthetic import Stream
+from embbench.data.synthetic import Stream, first_sample
 
 __all__ = [
     "CACHE_VERSION", "CriteoDataset", "CriteoSource", "DataCacheError", "DataFormatError", "FULL_CHECK_BYTES",
@@ -84,7 +85,7 @@ class DataCacheError(ValueError):
 
     def __str__(self) -> str:
         return (f"data cache entry {self.entry}: {self.damage}, and its source {self.source} is gone: restore it and "
-                f"run `embbench data prepare {self.scenario} --data-cache {self.cache_dir}` to rebuild the entry")
+                f"run `{command('data', 'prepare', self.scenario, '--data-cache', self.cache_dir)}` to rebuild the entry")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,8 +841,9 @@ def prepare_dataset(files: list[Path], cache_dir: Path, eval_spec: float | list[
 class CriteoSource:
     """Batches of a prepared dataset, addressed by ``(stream, index)`` like the synthetic data.
 
-    Batch ``i`` of a stream is its rows ``[i * B, (i + 1) * B)``, taken cyclically: whether a
-    run may read past the end (``epochs``) is checked before it starts.
+    Batch ``i`` of a stream is its rows ``[i * B, (i + 1) * B)``: the training rows taken
+    cyclically (whether a run may read past their end, ``epochs``, is checked before it
+    starts), the held-out rows once (:func:`embbench.data.synthetic.first_sample`).
     """
 
     def __init__(self, dataset: CriteoDataset, device: torch.device | str = "cpu"):
@@ -859,7 +861,7 @@ class CriteoSource:
         if total == 0:
             raise DataFormatError(f"the {Stream(stream).name.lower()} stream has no rows")
         labels, dense, ids = [], [], []
-        position, left = (index * batch_size) % total, batch_size
+        position, left = first_sample(stream, index, batch_size, total), batch_size
         while left:
             seg = int(np.searchsorted(starts, position, side="right")) - 1
             lab, den, idx, lo, _ = arrays[seg]

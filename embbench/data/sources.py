@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from embbench.scenario import DataConfig, RunConfig
 
 __all__ = ["CACHE_ENV", "DataSizeError", "batches_needed", "check_rows", "criteo_dataset", "data_cache_dir",
-           "load_trace", "open_source", "source_tables"]
+           "eval_batches", "load_trace", "open_source", "source_tables"]
 
 #: The environment variable that carries ``--data-cache`` to the cells' processes.
 CACHE_ENV = "EMBBENCH_DATA_CACHE"
@@ -105,33 +105,41 @@ def source_tables(data: "DataConfig") -> list[TableSpec]:
             for i, (n, bag) in enumerate(zip(trace.num_rows, trace.bag_sizes()))]
 
 
-def batches_needed(run: "RunConfig") -> tuple[int, int]:
+def eval_batches(data: "DataConfig", run: "RunConfig") -> int:
+    """The evaluation batches a run reads: ``run.eval_batches``, at most as many whole batches
+    as the held-out rows hold, so that each is scored once (``data.epochs`` repeats the
+    training rows only; the last rows, fewer than a batch, are not scored)."""
+    if data.source == "synthetic":
+        return run.eval_batches
+    return min(run.eval_batches, stream_rows(data)[Stream.EVAL] // data.batch_size)
+
+
+def batches_needed(data: "DataConfig", run: "RunConfig") -> tuple[int, int]:
     """Training and evaluation batches a run reads (at most: with a profile, and the longest warm-up)."""
-    return run.training_batches_read(), run.eval_batches
+    return run.training_batches_read(), eval_batches(data, run)
 
 
 def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int],
                batches: tuple[int, int] | None = None) -> None:
-    """Raise :class:`DataSizeError` if a stream has fewer rows than one batch, or fewer than
-    the run reads (``data.epochs`` times the rows may be read). ``batches``: the training and
-    evaluation batches another reader takes instead (``curve``, ``trace record``)."""
-    train, evaluation = batches or batches_needed(run)
+    """Raise :class:`DataSizeError` if a stream that is read has fewer rows than one batch, or
+    the training stream fewer than what is read (``data.epochs`` times its rows may be read; the
+    held-out rows are read once, as many whole batches as they hold: :func:`eval_batches`).
+    ``batches``: the training and evaluation batches another reader takes instead (``curve``,
+    ``trace record``)."""
+    train, evaluation = batches or (run.training_batches_read(), run.eval_batches)
     reader = "the run" if batches is None else "this command"
     for stream, count in ((Stream.TRAIN, train), (Stream.EVAL, evaluation)):
-        if count == 0:
-            continue
-        have, need = rows[stream], count * data.batch_size
-        name = stream.name.lower()
-        what = (f"{count} batches of {data.batch_size}" if stream == Stream.EVAL or batches is not None else
+        if count and rows[stream] < data.batch_size:
+            raise DataSizeError(f"data.path {data.path}: the {stream.name.lower()} stream has {rows[stream]:,} rows, "
+                                f"fewer than one batch (data.batch_size {data.batch_size})")
+    have, need = rows[Stream.TRAIN], train * data.batch_size
+    if train and have * data.epochs < need:
+        epochs = -(-need // have)
+        what = (f"{train} batches of {data.batch_size}" if batches is not None else
                 f"warm-up, {run.steps} steps x {run.repeats} repeats, a few untimed steps and one prefetched batch: "
-                f"{count} batches of {data.batch_size}")
-        if have < data.batch_size:
-            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows, fewer than one batch "
-                                f"(data.batch_size {data.batch_size})")
-        if have * data.epochs < need:
-            epochs = -(-need // have)
-            raise DataSizeError(f"data.path {data.path}: the {name} stream has {have:,} rows; {reader} needs {need:,} "
-                                f"({what}). Set data.epochs: {epochs} to read it {epochs} times, or ask for fewer steps")
+                f"{train} batches of {data.batch_size}")
+        raise DataSizeError(f"data.path {data.path}: the train stream has {have:,} rows; {reader} needs {need:,} "
+                            f"({what}). Set data.epochs: {epochs} to read it {epochs} times, or ask for fewer steps")
 
 
 def stream_rows(data: "DataConfig") -> dict[Stream, int]:

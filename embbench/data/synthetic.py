@@ -27,7 +27,7 @@ from torch import Tensor
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES, TableSpec
 
-__all__ = ["DRIFT_HOT_SHARE", "Stream", "SyntheticCriteo", "ZipfSampler"]
+__all__ = ["DRIFT_HOT_SHARE", "Stream", "SyntheticCriteo", "ZipfSampler", "first_sample"]
 
 #: Drift remaps a share of each table's hot ids: the hot ids are its most popular 1 % of rows.
 DRIFT_HOT_SHARE = 0.01
@@ -38,6 +38,17 @@ class Stream(IntEnum):
 
     TRAIN = 0
     EVAL = 1
+
+
+def first_sample(stream: Stream, index: int, batch_size: int, samples: int) -> int:
+    """Where batch ``index`` of a stream of ``samples`` starts. Training wraps around (a run
+    may read its rows ``data.epochs`` times); evaluation reads each held-out sample once, so
+    a batch past their end is refused (:func:`embbench.data.sources.eval_batches` counts the
+    batches they hold)."""
+    if Stream(stream) == Stream.EVAL and (index + 1) * batch_size > samples:
+        raise ValueError(f"evaluation batch {index} of {batch_size} samples reads past the {samples:,} held-out rows "
+                         "(each is evaluated once)")
+    return (index * batch_size) % samples
 
 
 def _mix(*values: int) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES
-from embbench.data.synthetic import Stream, _hash_effect, _mix
+from embbench.data.synthetic import Stream, _hash_effect, _mix, first_sample
 from embbench.inputs import user_file
 from embbench.outputs import atomic_write
 
@@ -188,8 +188,8 @@ class Trace:
 
 
 class TraceSource:
-    """Replays a trace: batch ``i`` of a stream is its samples ``[i * B, (i + 1) * B)``,
-    taken cyclically (whether a run may read past the end is checked before it starts).
+    """Replays a trace: batch ``i`` of a stream is its samples ``[i * B, (i + 1) * B)``, as
+    :class:`embbench.data.criteo.CriteoSource` takes them (training cyclically, evaluation once).
 
     Args:
         trace: the loaded trace.
@@ -214,7 +214,7 @@ class TraceSource:
         total, tables = lengths.shape
         if total == 0:
             raise TraceError(f"{self.trace.path}: the {stream.name.lower()} stream has no samples")
-        samples = (torch.arange(batch_size) + index * batch_size) % total
+        samples = (torch.arange(batch_size) + first_sample(stream, index, batch_size, total)) % total
         bags = (samples.unsqueeze(0) * tables + torch.arange(tables).unsqueeze(1)).reshape(-1)  # table-major
         flat = lengths.reshape(-1)
         ids = bags_in_order(values, flat, bags)
