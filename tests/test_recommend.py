@@ -182,10 +182,18 @@ def test_a_cpu_run_says_first_that_it_is_no_placement_decision(tmp_path, capsys)
 
 
 def _curve(hit_rates: list[float]) -> dict:
-    """A cache curve of all tables (only what recommend reads)."""
+    """A cache curve of one table whose MIN hits ``hit_rates`` of distinct rows, complete as
+    ``embbench curve`` writes it (read_curve checks every key)."""
     ratios = [0.001, 0.01, 0.02, 0.05, 0.1, 0.2][: len(hit_rates)]
-    return {"format": "embbench-curve-1", "ratios": ratios, "policies": ["min"],
-            "scopes": [{"name": "all", "policies": {"min": {"unique_hit_rate": hit_rates}}}]}
+    rows, steps, distinct = 10_000, 10, 5_000
+    line = {"hit_rate": hit_rates, "unique_hit_rate": hit_rates,
+            "rows_moved_per_step": [(1 - h) * distinct / steps for h in hit_rates],
+            "bytes_per_step": [(1 - h) * distinct / steps * 64 for h in hit_rates]}
+    scope = {"rows": rows, "accesses": 2 * distinct, "distinct": distinct,
+             "capacity": [max(1, round(r * rows)) for r in ratios], "policies": {"min": line}}
+    return {"format": "embbench-curve-1", "ratios": ratios, "policies": ["min"], "row_bytes": 64, "warmup_steps": 0,
+            "counted_steps": steps, "tables": {"t0": rows},
+            "scopes": [{"name": "all", **scope}, {"name": "t0", **scope}]}
 
 
 def test_a_suggested_ratio_stops_at_the_knee_of_the_cache_curve():
