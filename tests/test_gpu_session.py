@@ -21,7 +21,9 @@ from embbench.scenario import parse_scenario  # noqa: E402
 
 def _archived(out: Path) -> dict[str, str]:
     with tarfile.open(out / "session.tgz") as tar:
-        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+        # the text files (a cell's evaluation scores, eval/*.npz, are binary)
+        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
+                if m.isfile() and not m.name.endswith(".npz")}
 
 
 @pytest.mark.slow
