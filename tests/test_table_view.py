@@ -100,6 +100,23 @@ def test_long_cell_ids_fold_whole_when_that_makes_room_for_the_next_column():
     assert max(map(len, text.splitlines())) <= 120
 
 
+@pytest.mark.parametrize("width", [120, 160])
+def test_a_folded_cell_id_breaks_between_its_parts_never_mid_word(width):
+    text = _printed(width, _seed_like())
+    lines: list[list[str]] = []  # each row's identity, line by line
+    for line in text.splitlines():
+        if line.startswith("│"):
+            _, cell, status, *_ = line.split("│")
+            if status.strip():
+                lines.append([])
+            lines[-1].append(cell.strip())
+    folded = [parts for parts in lines if len(parts) > 1]
+    assert folded, text  # the long ids do fold at these widths
+    for parts in folded:
+        for before, after in zip(parts, parts[1:]):
+            assert before.endswith((",", "[")) or after.startswith("@"), parts
+
+
 def test_the_wider_the_terminal_the_fewer_columns_hidden():
     hidden = [len(_footer(_printed(width, _seed_like()))) for width in (80, 120, 200)]
     assert hidden[0] > hidden[1] > hidden[2]
