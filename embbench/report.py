@@ -13,6 +13,7 @@ from embbench.compare import METRICS, CellComparison, Delta, Significance
 from embbench.metrics import too_few_eval_samples, unstable_training
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
+from embbench.stats import interval_text
 from embbench.table_view import Column, Grid, Row, View, print_grid
 
 __all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
@@ -208,8 +209,7 @@ def _significance_text(sig: Significance | None) -> Text:
     else:
         text = Text(f"no p={sig.p_value:.2g}", style="dim")
     if sig.interval:
-        text.append(f" [{100 * (sig.interval[0] - 1):+.1f}%, {100 * (sig.interval[1] - 1):+.1f}%]",
-                    style="dim" if sig.not_judged else "")
+        text.append(f" {interval_text(sig.interval)}", style="dim" if sig.not_judged else "")
     return text
 
 
