@@ -95,6 +95,8 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
     hit, bound = _get(m, "counters", "hit_rate"), _get(m, "extra", "belady_hit_rate")
     unique_hit = _get(m, "counters", "unique_hit_rate")
+    if _get(m, "extra", "window_hit_rate") is not None:  # MIN counted over a window: the policy over the same steps
+        hit, unique_hit = m["extra"]["window_hit_rate"], _get(m, "extra", "window_unique_hit_rate")
     diff = m.get("max_weight_diff_vs_baseline") if r.semantics == "exact" else None
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     ops, syncs = m.get("ops_per_step"), m.get("host_syncs_per_step")
@@ -157,8 +159,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
                       "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
                       "timed, wide!: its interval is wider than ±10%",
         "speedup": f"speedup against {baseline_name} at the same ranks (its fp32 cell where it ran in several row precisions)",
-        "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN: per "
-                    "access an estimate a policy can beat, per distinct row (uniq) a bound",
+        "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN over the "
+                    "same steps: per access an estimate a policy can beat, per distinct row (uniq) a bound",
         "cpu": "CPU ms per step: every thread of every rank, the timed steps' and any side thread's work beside them "
                "(beyond step ms x threads: work moved off the clock)",
         "device_mib": "device MiB: the largest rank",

@@ -117,6 +117,17 @@ def test_a_folded_cell_id_breaks_between_its_parts_never_mid_word(width):
             assert before.endswith((",", "[")) or after.startswith("@"), parts
 
 
+def test_a_policy_and_its_min_are_counted_over_the_same_steps():
+    """freqcache counts MIN over a window of the measured steps: the policy beside it is its
+    count over that window, not over every step (which let 25.0% "beat" a 24.9% bound)."""
+    extra = {"belady_hit_rate": 0.95, "belady_unique_hit_rate": 0.249, "window_hit_rate": 0.93,
+             "window_unique_hit_rate": 0.22}
+    cache = make_record("freqcache", {"cache_ratio": 0.01}, hit_rate=0.96, unique_hit_rate=0.25, extra=extra,
+                        counters={"total": {}, "per_step": {}, "hit_rate": 0.96, "unique_hit_rate": 0.25})
+    text = _printed(200, [make_record("device"), cache], columns=("hit_rate",))
+    assert "93.0% (95.0%)" in text and "uniq 22.0% (24.9%)" in text and "25.0%" not in text
+
+
 def test_the_wider_the_terminal_the_fewer_columns_hidden():
     hidden = [len(_footer(_printed(width, _seed_like()))) for width in (80, 120, 200)]
     assert hidden[0] > hidden[1] > hidden[2]
