@@ -59,12 +59,12 @@ RESULT_COLUMNS = [
     Column("cell", "cell", always=True, justify="left"),
     Column("status", "status", always=True, justify="left"),
     Column("throughput", "samples/s\n(95% interval)", always=True),
-    Column("step_ms", "step ms\nrepeats / p95", always=True),
+    Column("step_time", "step ms\nrepeats / p95", always=True),
     Column("speedup", "speedup", always=True),
-    Column("device_mib", "device MiB\nstatic / peak"),
+    Column("device_bytes", "device MiB\nstatic / peak"),
     Column("hit_rate", "hit rate\n(MIN est.)"),
     Column("cpu", "CPU ms\nper step"),
-    Column("host_mib", "host MiB"),
+    Column("host_bytes", "host MiB"),
     Column("auc", "AUC"),
     Column("comm", "comm\nMiB/step"),
     Column("h2d_d2h", "H2D / D2H\nMiB/step"),
@@ -103,7 +103,7 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
     host = mem["static_host_bytes"] + mem["pinned_bytes"]
     row.cells.update({
-        "step_ms": f"{fast.step_s * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
+        "step_time": f"{fast.step_s * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
         "throughput": _throughput_text(rate, ci, fast.flags, bool(m["throughput"].get("ci95_missing"))),
         "cpu": "" if cpu is None else f"{cpu * 1e3:,.2f}",
         "speedup": f"{rate / base:.2f}x" if base else "-",
@@ -111,8 +111,8 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "h2d_d2h": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
         "comm": f"{per_step['bytes_comm'] / 2**20:,.2f}" if per_step.get("bytes_comm") else "",
-        "device_mib": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
-        "host_mib": _mib(host),
+        "device_bytes": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
+        "host_bytes": _mib(host),
         "auc": "-" if auc is None else f"{auc:.4f}",
         "logloss": "-" if logloss is None else f"{logloss:.4f}",
         "max_dw": "" if diff is None else f"{diff:.1e}",
@@ -121,9 +121,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "order": "" if r.semantics == "exact" else r.semantics,
     })
     row.sort.update({
-        "step_ms": fast.step_s, "throughput": rate, "cpu": cpu, "speedup": rate / base if base else None,
+        "step_time": fast.step_s, "throughput": rate, "cpu": cpu, "speedup": rate / base if base else None,
         "hit_rate": hit if hit is not None else unique_hit, "h2d_d2h": moved or None,
-        "comm": per_step.get("bytes_comm"), "device_mib": device_need_bytes(mem), "host_mib": host,
+        "comm": per_step.get("bytes_comm"), "device_bytes": device_need_bytes(mem), "host_bytes": host,
         "auc": auc, "logloss": logloss, "max_dw": diff, "ops_syncs": ops,
     })
     return row
@@ -163,7 +163,7 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
                     "same steps: per access an estimate a policy can beat, per distinct row (uniq) a bound",
         "cpu": "CPU ms per step: every thread of every rank, the timed steps' and any side thread's work beside them "
                "(beyond step ms x threads: work moved off the clock)",
-        "device_mib": "device MiB: the largest rank",
+        "device_bytes": "device MiB: the largest rank",
         "comm": "comm: bytes all ranks send to each other",
         "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
         "max_dw": "max |Δw| only where the training order is the baseline's",

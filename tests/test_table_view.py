@@ -25,7 +25,7 @@ MiB = 1 << 20
 
 #: The first line of each results column's header, as the table prints it.
 HEADER = {c.key: c.header.splitlines()[0] for c in RESULT_COLUMNS}
-HEADLINE = ["cell", "status", "throughput", "step_ms", "speedup"]
+HEADLINE = ["cell", "status", "throughput", "step_time", "speedup"]
 
 
 def _seed_like() -> list:
@@ -77,7 +77,7 @@ def test_the_table_fits_the_width_keeps_the_headline_and_names_exactly_the_hidde
     absent = [key for key in HEADER if HEADER[key] not in header]
     assert hidden == absent and hidden  # every column is filled: at these widths some are left out
     if width == 200:  # the first by priority after the headline
-        assert "device_mib" not in hidden and "hit_rate" not in hidden
+        assert "device_bytes" not in hidden and "hit_rate" not in hidden
 
 
 def _cell_ids(text: str) -> list[str]:
@@ -95,7 +95,7 @@ def _cell_ids(text: str) -> list[str]:
 def test_long_cell_ids_fold_whole_when_that_makes_room_for_the_next_column():
     records = _seed_like()
     text = _printed(120, records)  # the ids run to 50 characters: unfolded, no memory column would fit
-    assert HEADER["device_mib"] in _header(text)
+    assert HEADER["device_bytes"] in _header(text)
     assert _cell_ids(text) == [r.cell_id for r in sorted(records, key=lambda r: r.strategy != "device")]
     assert max(map(len, text.splitlines())) <= 120
 
@@ -233,3 +233,10 @@ def test_run_prints_a_table_that_fits_columns_and_a_footer(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert max(map(len, proc.stdout.splitlines())) <= 80
     assert "samples/s" in proc.stdout and "speedup" in proc.stdout and _footer(proc.stdout)
+
+
+def test_show_and_compare_name_each_quantity_alike():
+    """``--columns`` takes the same name for a quantity in show and compare (and the CSV's)."""
+    shown, compared = {c.key for c in RESULT_COLUMNS}, {c.key for c in DELTA_COLUMNS}
+    both = {"throughput", "step_time", "device_bytes", "host_bytes", "hit_rate", "auc", "logloss"}
+    assert both <= shown and both <= compared
