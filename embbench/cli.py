@@ -607,6 +607,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from embbench.compare import (ALPHA, CANNOT_JUDGE, TEST, aa_noise_floor, cannot_judge, compare_runs, parse_percent,
                                   regressions, same_code_and_scenario, to_json)
     from embbench.report import print_deltas
+    from embbench.stats import spread_text
 
     threshold = parse_percent(args.fail_on) if args.fail_on is not None else None
     runs = _load_runs(args.runs, need_records=False)  # a candidate whose records are all damaged fails the gate
@@ -629,7 +630,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             floor = aa_noise_floor(cells) if args.match_on == "cell" and same_code_and_scenario(runs[0], run) else None
             if floor:
                 console.print(Text(f"A/A: the same scenario and commit twice. Noise floor on this machine: throughput "
-                                   f"changed by up to {100 * floor[0]:.1f}% (intervals reach {100 * floor[1]:.1f}%); a "
+                                   f"changed by {spread_text(floor[0])} (intervals reach {spread_text(floor[1])}); a "
                                    "decision between placements must beat that", style="cyan"))
         if threshold is not None:
             if failures:

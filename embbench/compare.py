@@ -35,6 +35,7 @@ from typing import Any, Callable
 from embbench.columns import flat_row, get, gpu_names, speed
 from embbench.results import Record, RecordError, by_scenario, load_records, scenario_differences
 from embbench.scenario import cell_slug
+from embbench.stats import interval_text, spread_text
 
 __all__ = [
     "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
@@ -231,11 +232,11 @@ def judge(sig: Significance, threshold: float | None = None) -> Significance:
     change = abs(math.log(sig.ratio))  # on the log scale, where a halving and a doubling are as far
     for name, noise in zip(sig.names, (sig.noise_before, sig.noise_after)):
         if noise is not None and (math.log1p(noise) > change if threshold is None else noise > threshold):
-            why.append(f"noise ±{100 * noise:.1f}% in {name}, wider than " +
+            why.append(f"noise {spread_text(noise)} in {name}, wider than " +
                        (f"the change ({100 * (sig.ratio - 1):+.1f}%)" if threshold is None else f"{100 * threshold:g}%"))
     within_floor = sig.aa_floor is not None and change <= sig.aa_floor
     if within_floor and (threshold is None or sig.aa_floor > -math.log1p(-threshold)):
-        why.append(f"within the A/A noise floor (±{100 * math.expm1(sig.aa_floor):.1f}%)")
+        why.append(f"within the A/A noise floor ({spread_text(math.expm1(sig.aa_floor))})")
     not_judged = "; ".join(why) or None
     significant = None if not_judged or sig.p_value is None else sig.p_value < sig.alpha and not within_floor
     return replace(sig, not_judged=not_judged, significant=significant)
@@ -339,7 +340,7 @@ def regressions(cells: list[CellComparison], threshold: float, candidate: Run | 
         sig = judge(cell.significance, threshold) if cell.significance else None
         if sig and sig.significant and sig.interval[1] < 1 - threshold:
             out.append(f"{cell.cell_id}: throughput {100 * (sig.ratio - 1):+.1f}% (95% interval "
-                       f"{100 * (sig.interval[0] - 1):+.1f}% to {100 * (sig.interval[1] - 1):+.1f}%, "
+                       f"{interval_text(sig.interval)}, "
                        f"beyond -{100 * threshold:g}%)")
     return out
 

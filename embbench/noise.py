@@ -16,6 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from embbench.stats import spread_text
+
 __all__ = ["BUSY_OTHERS_SHARE", "BUSY_STEAL_SHARE", "WIDE_NOISE", "flags", "gpu_id", "mem_available", "noise_floor",
            "sample", "usable_cores"]
 
@@ -156,5 +158,5 @@ def flags(noise: dict[str, Any] | None, relative_noise: float | None) -> list[st
     if noise.get("gpu_other_processes"):
         out.append(f"busy: {noise['gpu_other_processes']} other process(es) on the GPU")
     if relative_noise is not None and relative_noise > WIDE_NOISE:
-        out.append(f"wide: ±{100 * relative_noise:.0f}% over repeats")
+        out.append(f"wide: {spread_text(relative_noise, 0)} over repeats")
     return out

@@ -27,7 +27,7 @@ from embbench.columns import flat_row, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
 from embbench.results import EVAL_DIR, Record, RecordError, read_eval_scores
-from embbench.stats import AucComparison, delong
+from embbench.stats import AucComparison, delong, interval_text
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
            "recommend"]
@@ -259,7 +259,7 @@ def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
     close = [c for c in runners_up if not c.significant]  # the verdict of the runners-up column
     if close:
         out.append(f"{best.cell_id} is not faster beyond noise than " + ", ".join(
-            c.cell_id + ("" if c.interval is None else f" ({100 * (c.interval[0] - 1):+.0f}% to {100 * (c.interval[1] - 1):+.0f}%)")
+            c.cell_id + ("" if c.interval is None else f" {interval_text(c.interval, 0)}")
             for c in close[:3]) + (f" and {len(close) - 3} more" if len(close) > 3 else "")
             + ": run more repeats, or choose among them by memory or accuracy")
     if best.flags:

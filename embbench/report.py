@@ -13,6 +13,7 @@ from embbench.compare import METRICS, CellComparison, Delta, Significance
 from embbench.metrics import too_few_eval_samples, unstable_training
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
 from embbench.results import Record
+from embbench.stats import interval_text
 from embbench.table_view import Column, Grid, Row, View, print_grid
 
 __all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
@@ -58,12 +59,12 @@ RESULT_COLUMNS = [
     Column("cell", "cell", always=True, justify="left"),
     Column("status", "status", always=True, justify="left"),
     Column("throughput", "samples/s\n(95% interval)", always=True),
-    Column("step_ms", "step ms\nrepeats / p95", always=True),
+    Column("step_time", "step ms\nrepeats / p95", always=True),
     Column("speedup", "speedup", always=True),
-    Column("device_mib", "device MiB\nstatic / peak"),
+    Column("device_bytes", "device MiB\nstatic / peak"),
     Column("hit_rate", "hit rate\n(MIN est.)"),
     Column("cpu", "CPU ms\nper step"),
-    Column("host_mib", "host MiB"),
+    Column("host_bytes", "host MiB"),
     Column("auc", "AUC"),
     Column("comm", "comm\nMiB/step"),
     Column("h2d_d2h", "H2D / D2H\nMiB/step"),
@@ -94,13 +95,15 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
     hit, bound = _get(m, "counters", "hit_rate"), _get(m, "extra", "belady_hit_rate")
     unique_hit = _get(m, "counters", "unique_hit_rate")
+    if _get(m, "extra", "window_hit_rate") is not None:  # MIN counted over a window: the policy over the same steps
+        hit, unique_hit = m["extra"]["window_hit_rate"], _get(m, "extra", "window_unique_hit_rate")
     diff = m.get("max_weight_diff_vs_baseline") if r.semantics == "exact" else None
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     ops, syncs = m.get("ops_per_step"), m.get("host_syncs_per_step")
     bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
     host = mem["static_host_bytes"] + mem["pinned_bytes"]
     row.cells.update({
-        "step_ms": f"{fast.step_s * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
+        "step_time": f"{fast.step_s * 1e3:,.2f} / {step['p95'] * 1e3:,.2f}",
         "throughput": _throughput_text(rate, ci, fast.flags, bool(m["throughput"].get("ci95_missing"))),
         "cpu": "" if cpu is None else f"{cpu * 1e3:,.2f}",
         "speedup": f"{rate / base:.2f}x" if base else "-",
@@ -108,8 +111,8 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "h2d_d2h": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
         "comm": f"{per_step['bytes_comm'] / 2**20:,.2f}" if per_step.get("bytes_comm") else "",
-        "device_mib": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
-        "host_mib": _mib(host),
+        "device_bytes": f"{_mib(mem['static_device_bytes'])} / {_mib(mem.get('peak_allocated_bytes'))}",
+        "host_bytes": _mib(host),
         "auc": "-" if auc is None else f"{auc:.4f}",
         "logloss": "-" if logloss is None else f"{logloss:.4f}",
         "max_dw": "" if diff is None else f"{diff:.1e}",
@@ -118,9 +121,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "order": "" if r.semantics == "exact" else r.semantics,
     })
     row.sort.update({
-        "step_ms": fast.step_s, "throughput": rate, "cpu": cpu, "speedup": rate / base if base else None,
+        "step_time": fast.step_s, "throughput": rate, "cpu": cpu, "speedup": rate / base if base else None,
         "hit_rate": hit if hit is not None else unique_hit, "h2d_d2h": moved or None,
-        "comm": per_step.get("bytes_comm"), "device_mib": device_need_bytes(mem), "host_mib": host,
+        "comm": per_step.get("bytes_comm"), "device_bytes": device_need_bytes(mem), "host_bytes": host,
         "auc": auc, "logloss": logloss, "max_dw": diff, "ops_syncs": ops,
     })
     return row
@@ -156,11 +159,11 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
                       "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
                       "timed, wide!: its interval is wider than ±10%",
         "speedup": f"speedup against {baseline_name} at the same ranks (its fp32 cell where it ran in several row precisions)",
-        "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN: per "
-                    "access an estimate a policy can beat, per distinct row (uniq) a bound",
+        "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN over the "
+                    "same steps: per access an estimate a policy can beat, per distinct row (uniq) a bound",
         "cpu": "CPU ms per step: every thread of every rank, the timed steps' and any side thread's work beside them "
                "(beyond step ms x threads: work moved off the clock)",
-        "device_mib": "device MiB: the largest rank",
+        "device_bytes": "device MiB: the largest rank",
         "comm": "comm: bytes all ranks send to each other",
         "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
         "max_dw": "max |Δw| only where the training order is the baseline's",
@@ -208,8 +211,7 @@ def _significance_text(sig: Significance | None) -> Text:
     else:
         text = Text(f"no p={sig.p_value:.2g}", style="dim")
     if sig.interval:
-        text.append(f" [{100 * (sig.interval[0] - 1):+.1f}%, {100 * (sig.interval[1] - 1):+.1f}%]",
-                    style="dim" if sig.not_judged else "")
+        text.append(f" {interval_text(sig.interval)}", style="dim" if sig.not_judged else "")
     return text
 
 

@@ -21,8 +21,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["LEVEL", "AucComparison", "RatioTest", "RepeatSummary", "auc_standard_error", "delong", "log_t_interval",
-           "ratio_test", "repeat_medians", "summarize_repeats"]
+__all__ = ["LEVEL", "AucComparison", "RatioTest", "RepeatSummary", "auc_standard_error", "delong", "interval_text", "log_t_interval",
+           "ratio_test", "repeat_medians", "spread_text", "summarize_repeats"]
 
 #: The confidence level of every interval embbench prints.
 LEVEL = 0.95
@@ -82,6 +82,21 @@ class RepeatSummary:
         if self.step_interval_s is not None:
             interval = (samples_per_step / self.step_interval_s[1], samples_per_step / self.step_interval_s[0])
         return samples_per_step / self.step_s, interval
+
+
+def interval_text(interval: tuple[float, float], digits: int = 1) -> str:
+    """A ratio's interval as relative changes, ``[-12.0%, +4.1%]``; one reaching beyond +100 % as
+    ratios, ``[x0.03..x3.5]`` (not ``[-97.0%, +250.0%]``: past a doubling, percentages read badly)."""
+    low, high = interval
+    if high > 2:
+        return f"[x{low:.3g}..x{high:.3g}]"
+    return f"[{100 * (low - 1):+.{digits}f}%, {100 * (high - 1):+.{digits}f}%]"
+
+
+def spread_text(noise: float, digits: int = 1) -> str:
+    """A relative half-width (:attr:`RepeatSummary.noise`): ``±5.0%``, and beyond ±100 % the ratio
+    its interval reaches, ``up to x36``."""
+    return f"±{100 * noise:.{digits}f}%" if noise <= 1 else f"up to x{1 + noise:.2g}"
 
 
 def summarize_repeats(medians: list[float], level: float = LEVEL) -> RepeatSummary:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import html
 import io
+import re
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -21,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 __all__ = ["FOLDED_IDENTITY", "SORT_SCRIPT", "Column", "Fit", "Grid", "Row", "View", "column_names", "filled_columns",
-           "fit_columns", "html_table", "print_grid", "rich_table"]
+           "fit_columns", "fold_id", "html_table", "print_grid", "rich_table"]
 
 Cell = Union[str, Text]
 
@@ -113,8 +114,26 @@ def rich_table(grid: Grid, keys: Sequence[str], identity_width: int | None = Non
         table.add_column(by_key[key].header, justify=by_key[key].justify, overflow="fold",
                          max_width=identity_width if key == grid.columns[0].key else None)
     for row in grid.rows:
-        table.add_row(*[_text(row.cells.get(key)) for key in keys])
+        cells = [_text(row.cells.get(key)) for key in keys]
+        if identity_width is not None:
+            cells[0] = Text(fold_id(cells[0].plain, identity_width), style=cells[0].style)
+        table.add_row(*cells)
     return table
+
+
+#: Where a cell id may break: after ``[`` or ``,`` and before ``@`` (``strategy[a=1,b=2]@w1@bf16``).
+_ID_BREAKS = re.compile(r"(?<=[\[,])|(?=@)")
+
+
+def fold_id(cell_id: str, width: int) -> str:
+    """``cell_id`` on lines of at most ``width`` characters, broken only between its parts (a
+    parameter, the ranks); a single part longer than ``width`` is left for rich to fold."""
+    lines = [""]
+    for part in _ID_BREAKS.split(cell_id):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
 
 
 def _text(cell: Cell | None) -> Text:

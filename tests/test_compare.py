@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from importlib import metadata
 
@@ -380,7 +381,7 @@ def test_an_aa_pair_reports_the_noise_floor_a_decision_must_beat(tmp_path, capsy
     b = write_run(tmp_path / "b", [make_record("device", step_times=_repeats([m * 1.02 for m in _STEADY]), repeats=5)])
     assert main(["compare", str(a), str(b), "--fail-on", "10%"]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
-    assert "A/A: the same scenario and commit twice" in out and "changed by up to 2.0%" in out
+    assert "A/A: the same scenario and commit twice" in out and "changed by ±2.0%" in out
     assert main(["compare", str(a), str(b), "--json"]) == 0
     floor = json.loads(capsys.readouterr().out)["runs"][0]["aa_noise_floor"]
     assert floor["largest_change"] == pytest.approx(1 - 1 / 1.02, abs=1e-3) and floor["largest_interval_reach"] > 0
@@ -471,3 +472,22 @@ def test_an_old_record_whose_steps_do_not_split_into_its_repeats_is_one_sample()
     old["metrics"]["step_time_s"]["samples"] = [0.01] * 11  # 11 steps, 3 repeats
     fast = speed(Record(**old).metrics)
     assert fast.repeat_medians_s == [0.01] and fast.throughput_interval is None and fast.noise is None
+
+
+def test_intervals_beyond_a_doubling_read_as_ratios_and_the_rest_as_percentages():
+    from embbench.stats import interval_text, spread_text
+
+    assert interval_text((0.88, 1.041)) == "[-12.0%, +4.1%]" and interval_text((0.6, 1.4), 0) == "[-40%, +40%]"
+    assert interval_text((0.031, 3.5)) == "[x0.031..x3.5]" and interval_text((3.01, 3.05)) == "[x3.01..x3.05]"
+    assert interval_text((0.388, 0.395)) == "[-61.2%, -60.5%]"  # a change below -100 % cannot happen
+    assert spread_text(0.05) == "±5.0%" and spread_text(34.83) == "up to x36"
+
+
+def test_a_wild_run_prints_its_interval_and_noise_as_ratios_not_thousands_of_percent(tmp_path, capsys):
+    """Issue 41: repeats from 1 to 50 ms read ``±3483%``; as ratios they say what they mean."""
+    a = write_run(tmp_path / "a", [make_record("device", step_times=_repeats([1, 30, 2, 50, 3]), repeats=5)])
+    b = write_run(tmp_path / "b", [make_record("device", step_times=_repeats([1, 1.1, 0.9, 1, 1]), repeats=5)])
+    assert main(["compare", str(a), str(b), "--fail-on", "10%"]) == CANNOT_JUDGE
+    out = " ".join(capsys.readouterr().out.split())
+    assert "noise up to x" in out and "..x" in out
+    assert not re.search(r"(±|\[|, )[+-]?\d{3,}\.\d%", out), out  # no [+324.9%, +944.6%], no ±3483.0%

@@ -254,3 +254,24 @@ def test_the_knee_is_where_the_curve_bends_most():
     assert knee(curve([0.1, 0.8, 0.85, 0.9])) == (0.01, 0.8)
     assert knee(curve([0.1, 0.2, 0.3, 0.4])) is None  # straight on a log scale: no bend
     assert knee(curve([0.5, 0.5, 0.5, 0.5])) is None
+
+
+def test_the_curve_table_marks_sizes_below_a_batch_and_scales_its_byte_units():
+    """Issue 41: at the smoke's 0.1 %, 34 rows against ~1,365 distinct rows a batch, MIN per
+    access is no bound; and a step moving 6 KiB read ``0.0..0.0`` MiB."""
+    import io
+
+    from rich.console import Console
+
+    from embbench.cache.curve_scenario import curve_tables
+
+    rng = np.random.default_rng(0)
+    steps = [rng.integers(0, 1000, 200) for _ in range(8)]  # ~180 distinct rows a batch
+    curve = measure(steps, {"a": 1000}, (0.01, 0.5), ("lru", "min"), skip=2, row_bytes=64)
+    console = Console(width=200, record=True, file=io.StringIO())
+    for shown in curve_tables(curve):
+        console.print(shown)
+    text = console.export_text()
+    small, large = [line for line in text.splitlines() if "%" in line and "│" in line][:2]
+    assert "10 *" in small and " *" not in large and "smaller than one batch's distinct rows" in text
+    assert "KiB.." in text and "0.0..0.0" not in text

@@ -25,7 +25,7 @@ MiB = 1 << 20
 
 #: The first line of each results column's header, as the table prints it.
 HEADER = {c.key: c.header.splitlines()[0] for c in RESULT_COLUMNS}
-HEADLINE = ["cell", "status", "throughput", "step_ms", "speedup"]
+HEADLINE = ["cell", "status", "throughput", "step_time", "speedup"]
 
 
 def _seed_like() -> list:
@@ -77,7 +77,7 @@ def test_the_table_fits_the_width_keeps_the_headline_and_names_exactly_the_hidde
     absent = [key for key in HEADER if HEADER[key] not in header]
     assert hidden == absent and hidden  # every column is filled: at these widths some are left out
     if width == 200:  # the first by priority after the headline
-        assert "device_mib" not in hidden and "hit_rate" not in hidden
+        assert "device_bytes" not in hidden and "hit_rate" not in hidden
 
 
 def _cell_ids(text: str) -> list[str]:
@@ -95,9 +95,37 @@ def _cell_ids(text: str) -> list[str]:
 def test_long_cell_ids_fold_whole_when_that_makes_room_for_the_next_column():
     records = _seed_like()
     text = _printed(120, records)  # the ids run to 50 characters: unfolded, no memory column would fit
-    assert HEADER["device_mib"] in _header(text)
+    assert HEADER["device_bytes"] in _header(text)
     assert _cell_ids(text) == [r.cell_id for r in sorted(records, key=lambda r: r.strategy != "device")]
     assert max(map(len, text.splitlines())) <= 120
+
+
+@pytest.mark.parametrize("width", [120, 160])
+def test_a_folded_cell_id_breaks_between_its_parts_never_mid_word(width):
+    text = _printed(width, _seed_like())
+    lines: list[list[str]] = []  # each row's identity, line by line
+    for line in text.splitlines():
+        if line.startswith("│"):
+            _, cell, status, *_ = line.split("│")
+            if status.strip():
+                lines.append([])
+            lines[-1].append(cell.strip())
+    folded = [parts for parts in lines if len(parts) > 1]
+    assert folded, text  # the long ids do fold at these widths
+    for parts in folded:
+        for before, after in zip(parts, parts[1:]):
+            assert before.endswith((",", "[")) or after.startswith("@"), parts
+
+
+def test_a_policy_and_its_min_are_counted_over_the_same_steps():
+    """freqcache counts MIN over a window of the measured steps: the policy beside it is its
+    count over that window, not over every step (which let 25.0% "beat" a 24.9% bound)."""
+    extra = {"belady_hit_rate": 0.95, "belady_unique_hit_rate": 0.249, "window_hit_rate": 0.93,
+             "window_unique_hit_rate": 0.22}
+    cache = make_record("freqcache", {"cache_ratio": 0.01}, hit_rate=0.96, unique_hit_rate=0.25, extra=extra,
+                        counters={"total": {}, "per_step": {}, "hit_rate": 0.96, "unique_hit_rate": 0.25})
+    text = _printed(200, [make_record("device"), cache], columns=("hit_rate",))
+    assert "93.0% (95.0%)" in text and "uniq 22.0% (24.9%)" in text and "25.0%" not in text
 
 
 def test_the_wider_the_terminal_the_fewer_columns_hidden():
@@ -205,3 +233,10 @@ def test_run_prints_a_table_that_fits_columns_and_a_footer(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert max(map(len, proc.stdout.splitlines())) <= 80
     assert "samples/s" in proc.stdout and "speedup" in proc.stdout and _footer(proc.stdout)
+
+
+def test_show_and_compare_name_each_quantity_alike():
+    """``--columns`` takes the same name for a quantity in show and compare (and the CSV's)."""
+    shown, compared = {c.key for c in RESULT_COLUMNS}, {c.key for c in DELTA_COLUMNS}
+    both = {"throughput", "step_time", "device_bytes", "host_bytes", "hit_rate", "auc", "logloss"}
+    assert both <= shown and both <= compared

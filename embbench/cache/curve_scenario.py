@@ -12,6 +12,7 @@ from rich.text import Text
 from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, measure
 from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream
+from embbench.recommend import format_bytes
 
 __all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve"]
 
@@ -86,12 +87,18 @@ def curve_tables(curve: dict, worst: int = 3) -> list:
     table.add_column("rows", justify="right")
     for policy in curve["policies"]:
         table.add_column(policy.upper() if policy in ("lru", "lfu", "min") else policy, justify="right")
-    table.add_column("MiB/step (fewest..most)", justify="right")  # in and out, over the policies
+    table.add_column("moved/step (fewest..most)", justify="right")  # in and out, over the policies
     lines = everything["policies"]
+    batch = everything["distinct"] / curve["counted_steps"]  # a batch's distinct rows, on average
     for i in shown:
         moved = [lines[p]["bytes_per_step"][i] for p in curve["policies"] if lines[p]["bytes_per_step"][i] is not None]
-        table.add_row(f"{100 * ratios[i]:.2g}%", f"{everything['capacity'][i]:,}", *(_cell(lines[p], i) for p in curve["policies"]),
-                      f"{min(moved) / 2**20:.1f}..{max(moved) / 2**20:.1f}" if moved else "-")
+        rows = everything["capacity"][i]
+        table.add_row(f"{100 * ratios[i]:.2g}%", f"{rows:,}" + (" *" if rows < batch else ""),
+                      *(_cell(lines[p], i) for p in curve["policies"]),
+                      f"{format_bytes(min(moved))}..{format_bytes(max(moved))}" if moved else "-")
+    if any(everything["capacity"][i] < batch for i in shown):
+        table.caption = (f"*: smaller than one batch's distinct rows ({batch:,.0f}): no batch-granular cache can hold a "
+                         "batch, and MIN per access is no bound there; compare per distinct row")
     out: list = [table]
     alone = [p for p in curve["policies"] if p != "freqcache"]  # freqcache has no line per table
     if not alone:
