@@ -166,7 +166,7 @@ def test_the_table_calls_min_per_access_an_estimate_and_a_cpu_run_no_placement_r
     console = Console(width=400, record=True, file=io.StringIO())
     print_comparison(records, console)
     text = " ".join(console.export_text().split())
-    assert "96.7% (96.6%)" in text and "Belady's MIN: per access an estimate a policy can beat" in text
+    assert "96.7% (96.6%)" in text and "Belady's MIN over the same steps: per access an estimate a policy can beat" in text
     assert text.index("the device here is the host CPU") < text.index("Belady's MIN")  # said first
     console = Console(width=400, record=True, file=io.StringIO())
     print_comparison([make_record("device")], console)  # measured on a GPU: nothing to say
