@@ -98,7 +98,10 @@ class RowStore:
 
     def __init__(self, weights: Tensor, state: Tensor, optimizer: EmbeddingOptimizer):
         self.weights, self.state, self.optimizer = weights, state, optimizer
-        self._work: Tensor | None = None  # WORK_COUNTERS, summed over steps on the rows' device
+        # WORK_COUNTERS summed over steps: what the host knows (sizes) as numbers, what only the
+        # device knows as a tensor there (a number made a device tensor would be a blocking copy)
+        self._work_known = [0] * len(WORK_COUNTERS)
+        self._work: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -145,17 +148,23 @@ class RowStore:
             return self.update_kernel
         return type(self) is RowStore and self.weights.dtype == torch.float32 and triton_problem(device) is None
 
-    def _count(self, entries, entries_max_per_row, ids_max_per_row) -> None:
-        """Add one step's work to the counters, on the device (never read there)."""
-        step = torch.stack([torch.as_tensor(x, device=self.weights.device).reshape(()).long()
-                            for x in (entries, entries_max_per_row, ids_max_per_row)])
-        self._work = step if self._work is None else self._work + step
+    def _count(self, *work: int | Tensor) -> None:
+        """Add one step's work (WORK_COUNTERS' order) to the counters; a tensor stays on the
+        device (never read in a step)."""
+        for i, value in enumerate(work):
+            if isinstance(value, Tensor):
+                if self._work is None:
+                    self._work = torch.zeros(len(WORK_COUNTERS), dtype=torch.long, device=value.device)
+                self._work[i] += value
+            else:
+                self._work_known[i] += value
 
     def work_counters(self) -> dict[str, int]:
         """The update's work since the store was made (reads the device: not for a step)."""
-        if self._work is None:
+        if self._work is None and not any(self._work_known):
             return {}
-        return dict(zip(WORK_COUNTERS, self._work.tolist()))
+        on_device = [0] * len(WORK_COUNTERS) if self._work is None else self._work.tolist()
+        return {name: known + counted for name, known, counted in zip(WORK_COUNTERS, self._work_known, on_device)}
 
 
 class RoundedRowStore(RowStore):

@@ -152,3 +152,22 @@ def test_run_sparse_backward_picks_the_path_and_the_record_counts_its_work(mode,
     explicit, _ = parse_scenario(raw, "test")
     assert auto.digest() != explicit.digest()
     assert auto.digest() == parse_scenario(tiny_scenario(run={"sparse_backward": "auto"}), "test")[0].digest()
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_counting_the_work_makes_no_tensor_from_host_numbers_in_a_step(padded, monkeypatch):
+    """A Python number made a CUDA tensor is a blocking host-to-device copy: the work counters
+    keep what the host knows as numbers and add only device tensors on the device."""
+    opt = EmbeddingOptimizer()
+    store = RowStore(torch.randn(10, 3), opt.new_state(10, CPU), opt)
+    store.padded_aggregation, store.update_kernel = padded, False
+    rows, offsets, grad = torch.tensor([3, 1, 3, 7, 1, 1]), torch.tensor([0, 2, 6]), torch.randn(2, 3)
+    made = []
+    for name in ("as_tensor", "tensor", "scalar_tensor"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: (made.append(_name), _real(*a, **k))[1])
+    (pooled_lookup(store, rows, offsets, CPU) * grad).sum().backward()
+    assert made == [], made
+    monkeypatch.undo()
+    assert store.work_counters() == {"update_entries": 6 if padded else 3, "update_entries_max_per_row": 3 if padded else 1,
+                                     "ids_max_per_row": 3}
