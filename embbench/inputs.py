@@ -17,9 +17,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
-__all__ = ["MAX_INPUT_BYTES", "not_regular", "read_json", "read_text", "schema_error", "user_file", "validated"]
+__all__ = ["MAX_INPUT_BYTES", "not_regular", "open_schema", "read_json", "read_text", "schema_error", "user_file", "validated"]
+
+#: A schema (TypedDict) that keeps keys it does not name: a newer embbench may add some.
+open_schema = with_config(ConfigDict(extra="allow"))
 
 #: The largest JSON file read whole (a record with its profile is some hundred KiB).
 MAX_INPUT_BYTES = 64 << 20

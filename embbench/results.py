@@ -21,13 +21,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator, with_config
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 from embbench import buildinfo
 from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, PositiveCount, Rate, Threads
-from embbench.inputs import not_regular, read_json, schema_error, validated
+from embbench.inputs import not_regular, open_schema as _open, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
 __all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "code_version", "environment",
@@ -51,7 +51,6 @@ def _ordered_interval(ci: tuple[float, float] | None) -> tuple[float, float] | N
 # Every part of a record is open to keys it does not know (a newer embbench may add some); the
 # keys it declares are checked. NotRequired: a key older records may lack, or one only some
 # strategies or runs write; the readers treat its absence as "not measured".
-_open = with_config(ConfigDict(extra="allow"))
 
 
 @_open

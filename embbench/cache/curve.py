@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import ConfigDict, Field, with_config
+from pydantic import Field
 from typing_extensions import TypedDict
 
 from embbench.bounds import Count, NonNegative, PositiveCount, Rate
-from embbench.inputs import read_json, validated
+from embbench.inputs import open_schema as _open, read_json, validated
 
 __all__ = ["CURVE_FORMAT", "CurveFile", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure", "min_hits",
            "read_curve", "stack_hits", "step_rows", "to_csv"]
@@ -343,7 +343,6 @@ def _freqcache_line(freqcache, ratios, measured, accesses: int, distinct: int, s
 
 
 _Ratio = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1)]
-_open = with_config(ConfigDict(extra="allow"))  # a newer embbench may add keys
 
 
 @_open
