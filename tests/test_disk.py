@@ -1,0 +1,319 @@
+"""embbench.disk: the page file, the reader (native and Python) and the drive probe (issue 43)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embbench.disk import pagefile as pagefile_module
+from embbench.disk import reader as reader_module
+from embbench.disk.layout import PAGE
+from embbench.disk.pagefile import DirectIOError, PageFile, aligned_pages, mount_of
+from embbench.disk.reader import ENGINES, TransferError, get_reader, native_library
+
+SHM_IS_TMPFS = mount_of("/dev/shm").filesystem == "tmpfs"
+
+
+def engine_reader(engine: str, threads: int = 4):
+    """The reader of that engine, or a skip saying why it is not here (no compiler, no io_uring)."""
+    reader = get_reader(threads, engine)
+    if reader.engine != engine:
+        pytest.skip(reader.name)
+    return reader
+
+
+def random_pages(rng: np.random.Generator, count: int) -> np.ndarray:
+    data = aligned_pages(count)
+    data[:] = rng.integers(0, 256, size=data.shape, dtype=np.uint8)
+    return data
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def test_aligned_pages_are_zeroed_and_page_aligned():
+    pages = aligned_pages(3)
+    assert pages.shape == (3, PAGE) and pages.dtype == np.uint8
+    assert pages.ctypes.data % PAGE == 0 and not pages.any()
+    assert aligned_pages(0).shape == (0, PAGE)
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        aligned_pages(-1)
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), file_pages=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+def test_reads_return_what_was_written(tmp_path, engine, data, file_pages, seed):
+    """Random writes (page sets and contents) then random reads, against a numpy copy of the file:
+    every engine gives the reference's bytes, so all give identical bytes."""
+    reader = engine_reader(engine, threads=data.draw(st.sampled_from([1, 3, 16])))
+    rng = np.random.default_rng(seed)
+    reference = np.zeros((file_pages, PAGE), dtype=np.uint8)
+    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "rows.pages"
+    with PageFile.create(path, file_pages, reader=reader) as pages:
+        assert pages.direct and pages.direct_problem is None
+        for _ in range(data.draw(st.integers(1, 3))):
+            chosen = rng.permutation(file_pages)[: data.draw(st.integers(0, file_pages))]
+            contents = random_pages(rng, len(chosen))
+            pages.write(chosen, contents)
+            reference[chosen] = contents
+        wanted = rng.integers(0, file_pages, size=data.draw(st.integers(0, 3 * file_pages)))  # repeats allowed
+        out = aligned_pages(len(wanted))
+        pages.read(wanted, out)
+        np.testing.assert_array_equal(out, reference[wanted])
+    with PageFile.open(path, reader=reader) as again:  # what was written is in the file, not in a cache
+        out = aligned_pages(file_pages)
+        again.read(np.arange(file_pages), out)
+        np.testing.assert_array_equal(out, reference)
+
+
+def test_a_new_file_reads_as_zero_pages(tmp_path):
+    with PageFile.create(tmp_path / "zero.pages", 5) as pages:
+        assert pages.pages == 5 and (tmp_path / "zero.pages").stat().st_size == 5 * PAGE
+        out = aligned_pages(5)
+        out[:] = 7
+        pages.read(np.arange(5), out)
+        assert not out.any()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_threads_reading_and_writing_disjoint_pages_at_once(tmp_path, engine):
+    """A background thread reads its half while the caller writes the other half, through one
+    PageFile: neither sees the other's pages change, and the last writes are what the file holds."""
+    reader = engine_reader(engine, threads=8)
+    rng = np.random.default_rng(1)
+    half = 64
+    with PageFile.create(tmp_path / "shared.pages", 2 * half, reader=reader) as pages:
+        fixed = random_pages(rng, half)
+        pages.write(np.arange(half, 2 * half), fixed)
+        wrong: list[int] = []
+
+        def read_back() -> None:
+            out = aligned_pages(3 * half)
+            for round_ in range(30):
+                wanted = rng_reader.integers(half, 2 * half, size=3 * half)
+                pages.read(wanted, out)
+                if not np.array_equal(out, fixed[wanted - half]):
+                    wrong.append(round_)
+
+        rng_reader = np.random.default_rng(2)
+        background = threading.Thread(target=read_back)
+        background.start()
+        written = np.zeros((half, PAGE), dtype=np.uint8)
+        for _ in range(30):
+            order, latest = rng.permutation(half), random_pages(rng, half)
+            pages.write(order, latest)
+            written[order] = latest
+        background.join()
+        assert wrong == []
+        out = aligned_pages(2 * half)
+        pages.read(np.arange(2 * half), out)
+        np.testing.assert_array_equal(out[:half], written)
+        np.testing.assert_array_equal(out[half:], fixed)
+
+
+# --------------------------------------------------------------------------- bad input and faults
+
+
+def test_create_refuses_a_missing_folder_and_an_existing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"the folder {tmp_path / 'nowhere'} does not exist"):
+        PageFile.create(tmp_path / "nowhere" / "rows.pages", 4)
+    (tmp_path / "rows.pages").write_bytes(b"keep me")
+    with pytest.raises(FileExistsError, match=f"{tmp_path / 'rows.pages'} exists: refusing to overwrite"):
+        PageFile.create(tmp_path / "rows.pages", 4)
+    assert (tmp_path / "rows.pages").read_bytes() == b"keep me"
+
+
+def test_create_says_what_space_is_needed_and_free(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pagefile_module.shutil, "disk_usage", lambda folder: usage(10**9, 10**9 - 100, 100))
+    with pytest.raises(OSError, match=r"not enough space for .*rows.pages: needs 16.00 KiB, 100 B free on ") as caught:
+        PageFile.create(tmp_path / "rows.pages", 4)
+    assert caught.value.errno == errno.ENOSPC
+    assert not (tmp_path / "rows.pages").exists()
+
+
+def test_open_refuses_what_is_not_a_page_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"page file {tmp_path / 'absent.pages'} does not exist"):
+        PageFile.open(tmp_path / "absent.pages")
+    (tmp_path / "odd.pages").write_bytes(b"x" * (PAGE + 1))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'odd.pages'}: {PAGE + 1} bytes is not a whole number"):
+        PageFile.open(tmp_path / "odd.pages")
+
+
+def test_bad_page_numbers_and_buffers_are_errors_naming_the_file(tmp_path):
+    path = tmp_path / "rows.pages"
+    with PageFile.create(path, 4) as pages:
+        for wanted in ([4], [0, -1]):
+            with pytest.raises(ValueError, match=f"{path}: page {wanted[-1]} is out of range: the file has 4 pages"):
+                pages.read(np.array(wanted), aligned_pages(len(wanted)))
+        with pytest.raises(ValueError, match=r"out must be uint8 \[2, 4096\].*got uint8 \(1, 4096\)"):
+            pages.read(np.array([0, 1]), aligned_pages(1))
+        with pytest.raises(ValueError, match=r"data must be uint8 \[1, 4096\].*got float32"):
+            pages.write(np.array([0]), np.zeros((1, PAGE), dtype=np.float32))
+        with pytest.raises(ValueError, match="pages must be a 1-D integer array"):
+            pages.read(np.array([0.5]), aligned_pages(1))
+        shifted = aligned_pages(3).reshape(-1)[512: 512 + 2 * PAGE].reshape(2, PAGE)
+        with pytest.raises(ValueError, match=f"{path}: out is not 4096-byte aligned, as O_DIRECT needs"):
+            pages.read(np.array([0, 1]), shifted)
+        with pytest.raises(ValueError, match=f"{path}: page 2 is written twice in one call"):
+            pages.write(np.array([2, 1, 2]), aligned_pages(3))
+    with pytest.raises(ValueError, match=f"page file {path} is closed"):
+        pages.read(np.array([0]), aligned_pages(1))
+
+
+def test_a_short_read_names_the_page_and_the_file(tmp_path):
+    path = tmp_path / "rows.pages"
+    with PageFile.create(path, 4) as pages:
+        os.truncate(path, 2 * PAGE)  # someone cut the file under us
+        with pytest.raises(OSError, match=f"short read of page 3 in {path}: 0 of 4096 bytes") as caught:
+            pages.read(np.array([0, 3, 1]), aligned_pages(3))
+        assert caught.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_reader_reports_enospc_and_the_failed_index(engine):
+    """/dev/full refuses every write with ENOSPC: the reader says so, with the lowest index."""
+    reader = engine_reader(engine)
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(TransferError) as caught:
+            reader.transfer(fd, np.arange(3, dtype=np.int64), aligned_pages(3), write=True)
+    finally:
+        os.close(fd)
+    assert caught.value.errno == errno.ENOSPC and caught.value.index == 0
+
+
+def test_a_full_drive_during_a_write_names_the_device_and_the_page(tmp_path):
+    class FullDrive:
+        name = "a drive that fills at the second page"
+
+        def transfer(self, fd, pages, buf, write):
+            raise TransferError(errno.ENOSPC, 1, 0)
+
+    path = tmp_path / "rows.pages"
+    with PageFile.create(path, 8, reader=FullDrive()) as pages:
+        with pytest.raises(OSError, match=rf"no space left on {pages.mount.device} writing {path} \(page 7\)") as caught:
+            pages.write(np.array([3, 7]), aligned_pages(2))
+    assert caught.value.errno == errno.ENOSPC
+
+
+# --------------------------------------------------------------------------- where O_DIRECT measures a drive
+
+
+def test_this_machines_work_and_tmp_folders():
+    """What /work and /tmp are on here, and whether O_DIRECT reads work there (it is said, not assumed)."""
+    for folder in ("/work", tempfile.gettempdir()):
+        mount = mount_of(folder)
+        assert mount.filesystem != "unknown"
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            path = Path(scratch) / "probe.pages"
+            if mount.filesystem in pagefile_module.MEMORY_FILESYSTEMS:
+                with pytest.raises(DirectIOError):
+                    PageFile.create(path, 1)
+            else:
+                with PageFile.create(path, 1) as pages:
+                    assert pages.direct and pages.filesystem == mount.filesystem
+
+
+@pytest.mark.skipif(not SHM_IS_TMPFS, reason="/dev/shm is not tmpfs here")
+def test_tmpfs_is_refused_unless_buffered_reads_are_asked_for():
+    path = Path("/dev/shm") / f"embbench-test-{os.getpid()}.pages"
+    with pytest.raises(DirectIOError, match=f"{path}: cannot read with O_DIRECT from a drive: tmpfs: O_DIRECT reads "
+                                            "would be memory reads, not the drive's"):
+        PageFile.create(path, 2)
+    assert not path.exists()  # a refused file is not left behind
+    pages = PageFile.create(path, 2, direct=False)
+    try:
+        assert not pages.direct and pages.filesystem == "tmpfs" and "tmpfs" in pages.direct_problem
+        data = random_pages(np.random.default_rng(3), 2)
+        pages.write(np.array([1, 0]), data)
+        out = np.zeros((2, PAGE), dtype=np.uint8)  # buffered: any buffer will do
+        pages.read(np.array([0, 1]), out)
+        np.testing.assert_array_equal(out, data[::-1])
+    finally:
+        pages.remove()
+    assert not path.exists()
+
+
+def test_a_file_system_refusing_o_direct_is_named(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(pagefile_module.os, "open", no_direct)
+    with pytest.raises(DirectIOError, match=r"refuses O_DIRECT \(EINVAL\)"):
+        PageFile.create(tmp_path / "rows.pages", 2)
+    assert not (tmp_path / "rows.pages").exists()
+    with PageFile.create(tmp_path / "rows.pages", 2, direct=False) as pages:
+        assert not pages.direct and "refuses O_DIRECT" in pages.direct_problem
+
+
+def test_mount_of_takes_the_deepest_mount_point():
+    assert mount_of("/proc/self").filesystem == "proc"
+    assert mount_of("/dev/shm/not-there").point == "/dev/shm"
+    assert mount_of("/").point == "/"
+
+
+# --------------------------------------------------------------------------- the native library and its fallback
+
+
+def test_without_a_compiler_the_python_pool_reads_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing built yet
+    monkeypatch.setenv("CC", "no-such-cc-embbench")
+    assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")
+    reader = get_reader(4)
+    assert reader.engine == "python"
+    assert reader.name == "python preadv pool, 4 threads (no C compiler: no-such-cc-embbench not found)"
+    with PageFile.create(tmp_path / "rows.pages", 3, reader=reader) as pages:
+        data = random_pages(np.random.default_rng(4), 3)
+        pages.write(np.array([2, 0, 1]), data)
+        out = aligned_pages(3)
+        pages.read(np.array([2, 0, 1]), out)
+        np.testing.assert_array_equal(out, data)
+
+
+def test_a_failed_build_falls_back_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")
+    assert native_library() == (None, "C build failed: no message")
+    assert get_reader(2).name == "python preadv pool, 2 threads (C build failed: no message)"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_the_library_is_built_once_into_the_cache_keyed_by_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    lib, why = native_library()
+    assert lib is not None and why == ""
+    built = list((tmp_path / "cache" / "embbench").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("pageio-") and built[0].suffix == ".so"
+    monkeypatch.setenv("CC", "no-such-cc-embbench")  # built: no compiler needed any more
+    assert native_library()[0] is not None
+    monkeypatch.setattr(reader_module, "_SOURCE", tmp_path / "pageio.c")
+    (tmp_path / "pageio.c").write_bytes(reader_module.Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
+                                        + b"\n/* changed */\n")
+    assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")  # a new source: a new build
+
+
+def test_reader_arguments_are_checked():
+    with pytest.raises(ValueError, match="reader engine 'aio': expected one of pread, io_uring, python"):
+        get_reader(4, "aio")
+    with pytest.raises(ValueError, match="reader threads 0: must be at least 1"):
+        get_reader(0)
