@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -16,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embbench.disk import pagefile as pagefile_module
+from embbench.disk import probe as probe_module
 from embbench.disk import reader as reader_module
 from embbench.disk.layout import PAGE
 from embbench.disk.pagefile import DirectIOError, PageFile, aligned_pages, mount_of
+from embbench.disk.probe import DriveProbe, measure_drive
 from embbench.disk.reader import ENGINES, TransferError, get_reader, native_library
 
 SHM_IS_TMPFS = mount_of("/dev/shm").filesystem == "tmpfs"
@@ -307,7 +311,7 @@ def test_the_library_is_built_once_into_the_cache_keyed_by_its_source(tmp_path, 
     monkeypatch.setenv("CC", "no-such-cc-embbench")  # built: no compiler needed any more
     assert native_library()[0] is not None
     monkeypatch.setattr(reader_module, "_SOURCE", tmp_path / "pageio.c")
-    (tmp_path / "pageio.c").write_bytes(reader_module.Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
+    (tmp_path / "pageio.c").write_bytes(Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
                                         + b"\n/* changed */\n")
     assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")  # a new source: a new build
 
@@ -317,3 +321,80 @@ def test_reader_arguments_are_checked():
         get_reader(4, "aio")
     with pytest.raises(ValueError, match="reader threads 0: must be at least 1"):
         get_reader(0)
+
+
+# --------------------------------------------------------------------------- the probe
+
+def probe_args(*argv: str):
+    parser = argparse.ArgumentParser()
+    probe_module.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_probe_measures_a_drive_and_the_reader_and_leaves_nothing(tmp_path):
+    probe = measure_drive(tmp_path, seconds=0.05, depths=(1, 4), file_bytes=64 * PAGE, ceiling_seconds=0.05)
+    assert isinstance(probe, DriveProbe) and probe.problem is None
+    assert probe.filesystem == mount_of(tmp_path).filesystem and probe.device == mount_of(tmp_path).device
+    assert [rate.depth for rate in probe.drive] == [1, 4] == [rate.depth for rate in probe.memory]
+    for rate in probe.drive + probe.memory:
+        assert rate.reads > 0 and rate.seconds > 0 and rate.reads_per_s > 0
+        assert rate.mib_per_s == pytest.approx(rate.reads_per_s * PAGE / 2**20)
+        assert rate.mean_latency_us == pytest.approx(rate.depth / rate.reads_per_s * 1e6)
+    assert probe.reader_ceiling == max(rate.reads_per_s for rate in probe.memory)
+    record = probe.as_dict()
+    assert record["drive"][1]["depth"] == 4 and record["reader_ceiling_reads_per_s"] == probe.reader_ceiling
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+
+
+@pytest.mark.skipif(not SHM_IS_TMPFS, reason="/dev/shm is not tmpfs here")
+def test_the_probe_on_tmpfs_says_so_and_measures_no_drive():
+    before = set(os.listdir("/dev/shm"))
+    probe = measure_drive("/dev/shm", seconds=0.05, depths=(2,), file_bytes=16 * PAGE)
+    assert probe.filesystem == "tmpfs" and probe.drive is None and probe.as_dict()["drive"] is None
+    assert probe.problem == "tmpfs: O_DIRECT reads would be memory reads, not the drive's"
+    assert probe.memory[0].reads_per_s > 0  # the reader's ceiling is still measured
+    assert set(os.listdir("/dev/shm")) == before
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError])
+def test_the_scratch_file_is_removed_when_the_probe_is_stopped(tmp_path, monkeypatch, fault):
+    def stopped(*args):
+        assert len(list(tmp_path.iterdir())) == 1  # the scratch file exists now
+        raise fault()
+
+    monkeypatch.setattr(probe_module, "_rate", stopped)
+    with pytest.raises(fault):
+        measure_drive(tmp_path, seconds=0.05, depths=(1,), file_bytes=8 * PAGE)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_prints_the_table(tmp_path, capsys):
+    assert probe_module.main(probe_args(str(tmp_path), "--seconds", "0.05", "--depths", "1,2",
+                                        "--file-size", "256KiB")) == 0
+    out = capsys.readouterr().out
+    assert "drive reads/s" in out and "reader from" in out and mount_of(tmp_path).filesystem in out
+    assert probe_module.main(probe_args(str(tmp_path), "--seconds", "0.05", "--depths", "3",
+                                        "--file-size", "64KiB", "--json")) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["drive"][0]["depth"] == 3 and record["path"] == str(tmp_path)
+
+
+def test_the_command_refuses_a_bad_folder_in_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    cases = {str(tmp_path / "absent"): f"{tmp_path / 'absent'}: no such folder",
+             str(tmp_path / "file"): f"{tmp_path / 'file'} is not a folder"}
+    for folder, message in cases.items():
+        assert probe_module.main(probe_args(folder)) == 2
+        assert capsys.readouterr().err == f"embbench disk: {message}\n"
+    with monkeypatch.context() as patched:
+        patched.setattr(probe_module.os, "access", lambda path, mode: False)
+        assert probe_module.main(probe_args(str(tmp_path))) == 2
+        assert capsys.readouterr().err == f"embbench disk: {tmp_path} is not writable: the probe writes a scratch file there\n"
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pagefile_module.shutil, "disk_usage", lambda folder: usage(2**40, 2**40 - 2**20, 2**20))
+    assert probe_module.main(probe_args(str(tmp_path))) == 2
+    assert capsys.readouterr().err == (f"embbench disk: not enough space for the probe's scratch file in {tmp_path}: "
+                                       f"needs 1.00 GiB, 1.00 MiB free on {mount_of(tmp_path).device}\n")
+    assert probe_module.main(probe_args(str(tmp_path), "--depths", "1,x")) == 2
+    assert "--depths '1,x': expected numbers separated by commas" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"]

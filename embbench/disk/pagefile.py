@@ -21,14 +21,20 @@ import numpy as np
 from embbench.disk.layout import PAGE
 from embbench.disk.reader import Reader, TransferError, get_reader
 
-__all__ = ["DirectIOError", "Mount", "PageFile", "aligned_pages", "mount_of"]
+__all__ = ["DirectIOError", "Mount", "PageFile", "aligned_pages", "ensure_space", "mount_of"]
 
 #: File systems whose files live in memory: O_DIRECT there measures memory, not a drive.
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
 
 
 class DirectIOError(OSError):
-    """The file cannot be read with O_DIRECT from a drive (tmpfs, or the file system refuses it)."""
+    """The file cannot be read with O_DIRECT from a drive (tmpfs, or the file system refuses it);
+    ``problem`` says which."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(errno.EINVAL, f"{path}: cannot read with O_DIRECT from a drive: {problem} "
+                                       "(direct=False reads through the page cache, measuring memory)")
+        self.problem = problem
 
 
 def aligned_pages(count: int) -> np.ndarray:
@@ -84,6 +90,19 @@ def _format_bytes(n: int) -> str:
     return format_bytes(n)
 
 
+def ensure_space(folder: Path, need: int, what: str) -> None:
+    """An OSError (ENOSPC) saying what is needed and what is free, when ``folder``'s drive lacks
+    ``need`` bytes for ``what`` (named in the message)."""
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise OSError(errno.ENOSPC, f"not enough space for {what}: needs {_format_bytes(need)}, "
+                                    f"{_format_bytes(free)} free on {mount_of(folder).device}")
+
+
+def _memory_problem(mount: Mount) -> str:
+    return f"{mount.filesystem}: O_DIRECT reads would be memory reads, not the drive's"
+
+
 class PageFile:
     """A file of ``pages`` pages, read and written whole pages at a time by ``reader`` (by default
     the native pread pool with 16 in flight). Several threads may read and write at once; pages
@@ -108,7 +127,8 @@ class PageFile:
     def create(cls, path: str | os.PathLike, pages: int, *, direct: bool = True, reader: Reader | None = None) -> PageFile:
         """A new file of ``pages`` zero pages. Refuses a path that exists, a folder that does not,
         and a drive without the space (saying what is needed and what is free). The space is
-        allocated now (fallocate), so a full drive shows here and not in the middle of a run."""
+        allocated now (fallocate), so a full drive shows here and not in the middle of a run; pages
+        never written read as zeros without reaching the drive (write them before measuring)."""
         path = Path(path)
         if pages < 0:
             raise ValueError(f"{path}: pages must be >= 0, got {pages}")
@@ -117,17 +137,18 @@ class PageFile:
             raise FileNotFoundError(errno.ENOENT, f"cannot create {path}: the folder {folder} does not exist")
         if path.exists() or path.is_symlink():
             raise FileExistsError(errno.EEXIST, f"{path} exists: refusing to overwrite it (remove it, or open it)")
-        need, free = pages * PAGE, shutil.disk_usage(folder).free
-        if need > free:
-            raise OSError(errno.ENOSPC, f"not enough space for {path}: needs {_format_bytes(need)}, "
-                                        f"{_format_bytes(free)} free on {mount_of(folder).device}")
+        need, mount = pages * PAGE, mount_of(folder)
+        if direct and mount.filesystem in MEMORY_FILESYSTEMS:  # said before a byte of memory is taken
+            raise DirectIOError(path, _memory_problem(mount))
+        ensure_space(folder, need, str(path))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                os.posix_fallocate(fd, 0, need) if need else None
+                if need:
+                    os.posix_fallocate(fd, 0, need)
             except OSError as error:
                 if error.errno == errno.ENOSPC:
-                    raise OSError(errno.ENOSPC, f"no space left on {mount_of(folder).device} allocating "
+                    raise OSError(errno.ENOSPC, f"no space left on {mount.device} allocating "
                                                 f"{_format_bytes(need)} for {path}") from None
                 if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
@@ -158,8 +179,7 @@ class PageFile:
         problem = _direct_problem(path, fd, size, mount) if direct else None
         if problem is not None:
             os.close(fd)
-            raise DirectIOError(errno.EINVAL, f"{path}: cannot read with O_DIRECT from a drive: {problem} "
-                                              "(direct=False reads through the page cache, measuring memory)")
+            raise DirectIOError(path, problem)
         if direct:
             os.close(fd)
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
@@ -247,7 +267,7 @@ class PageFile:
 def _direct_problem(path: Path, fd: int, size: int, mount: Mount) -> str | None:
     """Why reads of this file with O_DIRECT would not measure a drive, or None."""
     if mount.filesystem in MEMORY_FILESYSTEMS:
-        return f"{mount.filesystem}: O_DIRECT reads would be memory reads, not the drive's"
+        return _memory_problem(mount)
     try:
         direct = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
     except OSError as error:

@@ -107,13 +107,13 @@ class Reader:
 
     def __init__(self, engine: str, threads: int, lib: ctypes.CDLL | None = None, why_python: str = ""):
         self.engine, self.threads, self._lib = engine, threads, lib
+        kind = {"python": "python preadv pool", "io_uring": "native io_uring"}.get(engine, "native pread pool")
+        #: What does the reads, whatever the depth (and why it is the Python pool, when it is).
+        self.kind = kind + (f" ({why_python})" if why_python else "")
+        how_many = f"{threads} in flight" if engine == "io_uring" else f"{threads} threads"
+        self.name = f"{kind}, {how_many}" + (f" ({why_python})" if why_python else "")
         if engine == "python":
-            self.name = f"python preadv pool, {threads} threads" + (f" ({why_python})" if why_python else "")
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="embbench-preadv")
-        elif engine == "io_uring":
-            self.name = f"native io_uring, {threads} in flight"
-        else:
-            self.name = f"native pread pool, {threads} threads"
 
     def __repr__(self) -> str:
         return f"Reader({self.name!r})"

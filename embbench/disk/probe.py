@@ -1,0 +1,239 @@
+"""What a drive can feed, and what the reader can issue: random 4 KiB O_DIRECT reads a second at a
+few queue depths (issue 43, item 3; ``embbench disk PATH``).
+
+At each depth d the reader keeps d reads in flight over a scratch file it writes in PATH (written
+for real: pages only allocated would read as zeros without reaching the drive), and counts the
+reads done in ``seconds``. Then the same reads, with the same reader and depth, from a file in
+memory (a memfd): the reader's own ceiling, the most it could issue whatever the drive. A drive
+number near its ceiling says the reader, not the drive, is the limit. On tmpfs, or on a file
+system that refuses O_DIRECT, there is no drive to measure: the result says why, and its drive
+numbers are None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embbench.disk.layout import PAGE
+from embbench.disk.pagefile import DirectIOError, PageFile, aligned_pages, ensure_space, mount_of
+from embbench.disk.reader import ENGINES, Reader, get_reader
+
+__all__ = ["DepthRate", "DriveProbe", "add_arguments", "main", "measure_drive"]
+
+DEFAULT_DEPTHS = (1, 4, 16, 64)
+DEFAULT_FILE_BYTES = 1 << 30
+#: Largest memory file for the ceiling: past the CPU caches, small enough to take from any host.
+CEILING_FILE_BYTES = 256 << 20
+#: Pages written a call while filling the scratch file (8 MiB).
+FILL_PAGES = 2048
+
+
+@dataclass(frozen=True)
+class DepthRate:
+    """``reads`` random page reads done in ``seconds`` with ``depth`` of them in flight."""
+
+    depth: int
+    reads: int
+    seconds: float
+
+    @property
+    def reads_per_s(self) -> float:
+        return self.reads / self.seconds
+
+    @property
+    def mib_per_s(self) -> float:
+        return self.reads_per_s * PAGE / 2**20
+
+    @property
+    def mean_latency_us(self) -> float:
+        """Mean time a read takes, from Little's law: ``depth`` in flight at ``reads_per_s``."""
+        return self.depth / self.reads_per_s * 1e6
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "reads_per_s": self.reads_per_s, "mib_per_s": self.mib_per_s,
+                "mean_latency_us": self.mean_latency_us}
+
+
+@dataclass(frozen=True)
+class DriveProbe:
+    """A drive's random-read rates (None when there is no drive to measure: ``problem`` says why)
+    beside the reader's rates from memory, at the same depths. ``load`` is the machine's 1-minute
+    load average before and after, on ``cpus`` CPUs: busy CPUs lower the reader's ceiling."""
+
+    path: str
+    filesystem: str
+    device: str
+    reader: str
+    file_bytes: int
+    problem: str | None
+    drive: list[DepthRate] | None
+    memory: list[DepthRate]
+    load: tuple[float, float]
+    cpus: int
+
+    @property
+    def reader_ceiling(self) -> float:
+        """The most reads a second the reader issued, from memory, at any depth."""
+        return max(rate.reads_per_s for rate in self.memory)
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "filesystem": self.filesystem, "device": self.device, "reader": self.reader,
+                "file_bytes": self.file_bytes, "problem": self.problem,
+                "drive": None if self.drive is None else [rate.as_dict() for rate in self.drive],
+                "memory": [rate.as_dict() for rate in self.memory], "reader_ceiling_reads_per_s": self.reader_ceiling,
+                "load": list(self.load), "cpus": self.cpus}
+
+
+def _rate(fd: int, pages: int, reader: Reader, depth: int, seconds: float, rng: np.random.Generator) -> DepthRate:
+    """Random reads of whole pages of ``fd`` for about ``seconds``, in calls of many reads each
+    (so the call's own cost, threads started and joined, is spread thin)."""
+    batch = max(256, 32 * depth)
+    out = aligned_pages(batch)
+    reads, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        reader.transfer(fd, rng.integers(0, pages, size=batch), out, write=False)
+        reads += batch
+    return DepthRate(depth, reads, elapsed)
+
+
+def _fill(write, pages: int, rng: np.random.Generator) -> None:
+    """Writes every page, each different (its number in its first bytes), so none reads as a hole."""
+    chunk = aligned_pages(min(FILL_PAGES, pages))
+    chunk[:] = rng.integers(0, 256, size=chunk.shape, dtype=np.uint8)
+    for first in range(0, pages, FILL_PAGES):
+        numbers = np.arange(first, min(first + FILL_PAGES, pages), dtype=np.int64)
+        part = chunk[: len(numbers)]
+        part[:, :8] = numbers.view(np.uint8).reshape(-1, 8)
+        write(numbers, part)
+
+
+def _check_folder(path: Path, file_bytes: int) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such folder")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a folder")
+    if os.statvfs(path).f_flag & os.ST_RDONLY or not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path} is not writable: the probe writes a scratch file there")
+    ensure_space(path, file_bytes, f"the probe's scratch file in {path}")
+
+
+def measure_drive(path: str | os.PathLike, seconds: float = 3.0, depths: tuple[int, ...] = DEFAULT_DEPTHS,
+                  file_bytes: int = DEFAULT_FILE_BYTES, *, engine: str = "pread", ceiling_seconds: float | None = None,
+                  seed: int = 0) -> DriveProbe:
+    """Measures the drive holding the folder ``path`` (see the module's doc). The scratch file is
+    removed when done, also on an error or an interrupt. ``ceiling_seconds`` (default: ``seconds``,
+    at most 1) is the time each depth gets from memory."""
+    path = Path(path)
+    if seconds <= 0 or not depths or min(depths) < 1 or file_bytes < PAGE:
+        raise ValueError(f"measure_drive: needs seconds > 0, depths >= 1 and file_bytes >= {PAGE}, got {seconds}, "
+                         f"{depths}, {file_bytes}")
+    _check_folder(path, file_bytes)
+    mount, rng, load_before = mount_of(path), np.random.default_rng(seed), os.getloadavg()[0]
+    pages = file_bytes // PAGE
+    drive, problem = None, None
+    scratch = path / f".embbench-disk-probe-{os.getpid()}-{secrets.token_hex(4)}.pages"
+    try:
+        file = PageFile.create(scratch, pages, reader=get_reader(max(depths), engine))
+    except DirectIOError as refused:
+        problem = refused.problem
+    else:
+        try:
+            _fill(file.write, pages, rng)
+            os.fsync(file.fileno())
+            drive = [_rate(file.fileno(), pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
+        finally:
+            file.remove()
+    memory = _memory_rates(min(file_bytes, CEILING_FILE_BYTES) // PAGE, depths, engine,
+                           min(seconds, 1.0) if ceiling_seconds is None else ceiling_seconds, rng)
+    return DriveProbe(str(path), mount.filesystem, mount.device, get_reader(max(depths), engine).kind, file_bytes,
+                      problem, drive, memory, (load_before, os.getloadavg()[0]), os.cpu_count() or 1)
+
+
+def _memory_rates(pages: int, depths, engine: str, seconds: float, rng: np.random.Generator) -> list[DepthRate]:
+    """The same reads from a file in memory (a memfd: no drive, no path, gone when closed)."""
+    fd = os.memfd_create("embbench-disk-probe")
+    try:
+        os.ftruncate(fd, pages * PAGE)
+        writer = get_reader(max(depths), engine)
+        _fill(lambda numbers, data: writer.transfer(fd, numbers, data, write=True), pages, rng)
+        return [_rate(fd, pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=Path, help="a folder on the drive to measure (a scratch file is written there)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="time at each queue depth (default 3)")
+    parser.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)),
+                        help="reads in flight, comma-separated (default %(default)s)")
+    parser.add_argument("--file-size", default="1GiB",
+                        help="the scratch file's size (default %(default)s; larger than the drive's cache is best)")
+    parser.add_argument("--engine", choices=ENGINES, default="pread", help="the reader (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from embbench.recommend import parse_size
+
+    try:
+        depths = tuple(int(d) for d in args.depths.split(","))
+    except ValueError:
+        return _fail(f"--depths {args.depths!r}: expected numbers separated by commas, e.g. 1,4,16,64")
+    try:
+        probe = measure_drive(args.path, args.seconds, depths, parse_size(args.file_size, "--file-size"),
+                              engine=args.engine)
+    except (OSError, ValueError) as error:
+        return _fail(error.strerror if isinstance(error, OSError) and error.strerror else str(error))
+    if args.json:
+        print(json.dumps(probe.as_dict(), indent=2))
+    else:
+        Console().print(probe_table(probe))
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"embbench disk: {message}", file=sys.stderr)  # one line, however narrow the terminal
+    return 2
+
+
+def probe_table(probe: DriveProbe):
+    from rich.table import Table
+
+    table = Table(title=f"Random {PAGE // 1024} KiB reads: {probe.path} ({probe.filesystem} on {probe.device})",
+                  caption=_caption(probe))
+    for name in ("in flight", "drive reads/s", "drive MiB/s", "mean latency µs", "reader from memory reads/s"):
+        table.add_column(name, justify="right")
+    for i, memory in enumerate(probe.memory):
+        drive = probe.drive[i] if probe.drive else None
+        table.add_row(str(memory.depth),
+                      *(("—",) * 3 if drive is None else (f"{drive.reads_per_s:,.0f}", f"{drive.mib_per_s:,.1f}",
+                                                           f"{drive.mean_latency_us:,.0f}")),
+                      f"{memory.reads_per_s:,.0f}")
+    return table
+
+
+def _caption(probe: DriveProbe) -> str:
+    from embbench.recommend import format_bytes  # imports torch: only for the command
+
+    lines = [f"reader: {probe.reader}, as many in flight as the row says; its ceiling, from memory: "
+             f"{probe.reader_ceiling:,.0f} reads/s",
+             f"load average {probe.load[0]:.1f} before, {probe.load[1]:.1f} after, on {probe.cpus} CPUs"]
+    if probe.problem:
+        lines.append(f"no drive measured: {probe.problem}")
+    else:
+        lines.append(f"O_DIRECT reads of a {format_bytes(probe.file_bytes)} scratch file; latency = in flight / rate")
+    return "\n".join(lines)
