@@ -237,3 +237,9 @@ def _caption(probe: DriveProbe) -> str:
     else:
         lines.append(f"O_DIRECT reads of a {format_bytes(probe.file_bytes)} scratch file; latency = in flight / rate")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m embbench.disk.probe PATH (what `embbench disk PATH` runs)
+    _parser = argparse.ArgumentParser(prog="python -m embbench.disk.probe", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -108,10 +108,10 @@ class Reader:
     def __init__(self, engine: str, threads: int, lib: ctypes.CDLL | None = None, why_python: str = ""):
         self.engine, self.threads, self._lib = engine, threads, lib
         kind = {"python": "python preadv pool", "io_uring": "native io_uring"}.get(engine, "native pread pool")
+        why = f" ({why_python})" if why_python else ""
         #: What does the reads, whatever the depth (and why it is the Python pool, when it is).
-        self.kind = kind + (f" ({why_python})" if why_python else "")
-        how_many = f"{threads} in flight" if engine == "io_uring" else f"{threads} threads"
-        self.name = f"{kind}, {how_many}" + (f" ({why_python})" if why_python else "")
+        self.kind = kind + why
+        self.name = f"{kind}, {threads} {'in flight' if engine == 'io_uring' else 'threads'}{why}"
         if engine == "python":
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="embbench-preadv")
 
@@ -140,9 +140,7 @@ class Reader:
         offsets = (pages * PAGE).tolist()
 
         def work() -> None:
-            for i in iter(taken.__next__, None):
-                if i >= len(offsets) or failures:
-                    return
+            while (i := next(taken)) < len(offsets) and not failures:
                 done = 0
                 try:
                     while done < PAGE:
