@@ -298,6 +298,9 @@ def test_a_failed_build_falls_back_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")
     assert native_library() == (None, "C build failed: no message")
     assert get_reader(2).name == "python preadv pool, 2 threads (C build failed: no message)"
+    monkeypatch.setattr(reader_module, "_SOURCE", tmp_path / "left-out.c")  # an install without the C file
+    lib, why = native_library()
+    assert lib is None and why.startswith("no C source: ") and "left-out.c" in why
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")

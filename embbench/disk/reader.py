@@ -76,7 +76,10 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     name holds the hash of the source and the build command, and it is written under a temporary
     name and renamed, so processes that build at once never load half a file."""
     compiler = _compiler()
-    source = _SOURCE.read_bytes()
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError as error:  # an install that left the C file out
+        return None, f"no C source: {error}"
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     library = _cache_dir() / f"pageio-{key}.so"
     if not library.exists():
