@@ -28,6 +28,17 @@ from embbench.disk.reader import ENGINES, TransferError, get_reader, native_libr
 SHM_IS_TMPFS = mount_of("/dev/shm").filesystem == "tmpfs"
 
 
+@pytest.fixture
+def drive_dir(tmp_path):
+    """A fresh folder where O_DIRECT reads reach a drive: tmp_path, or one beside the tests
+    where the temporary folder is on tmpfs."""
+    if mount_of(tmp_path).filesystem not in pagefile_module.MEMORY_FILESYSTEMS:
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent, prefix=".disk-test-") as folder:
+        yield Path(folder)
+
+
 def engine_reader(engine: str, threads: int = 4):
     """The reader of that engine, or a skip saying why it is not here (no compiler, no io_uring)."""
     reader = get_reader(threads, engine)
@@ -60,13 +71,13 @@ def test_aligned_pages_are_zeroed_and_page_aligned():
 @pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), file_pages=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
-def test_reads_return_what_was_written(tmp_path, engine, data, file_pages, seed):
+def test_reads_return_what_was_written(drive_dir, engine, data, file_pages, seed):
     """Random writes (page sets and contents) then random reads, against a numpy copy of the file:
     every engine gives the reference's bytes, so all give identical bytes."""
     reader = engine_reader(engine, threads=data.draw(st.sampled_from([1, 3, 16])))
     rng = np.random.default_rng(seed)
     reference = np.zeros((file_pages, PAGE), dtype=np.uint8)
-    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "rows.pages"
+    path = Path(tempfile.mkdtemp(dir=drive_dir)) / "rows.pages"
     with PageFile.create(path, file_pages, reader=reader) as pages:
         assert pages.direct and pages.direct_problem is None
         for _ in range(data.draw(st.integers(1, 3))):
@@ -84,9 +95,9 @@ def test_reads_return_what_was_written(tmp_path, engine, data, file_pages, seed)
         np.testing.assert_array_equal(out, reference)
 
 
-def test_a_new_file_reads_as_zero_pages(tmp_path):
-    with PageFile.create(tmp_path / "zero.pages", 5) as pages:
-        assert pages.pages == 5 and (tmp_path / "zero.pages").stat().st_size == 5 * PAGE
+def test_a_new_file_reads_as_zero_pages(drive_dir):
+    with PageFile.create(drive_dir / "zero.pages", 5) as pages:
+        assert pages.pages == 5 and (drive_dir / "zero.pages").stat().st_size == 5 * PAGE
         out = aligned_pages(5)
         out[:] = 7
         pages.read(np.arange(5), out)
@@ -94,13 +105,13 @@ def test_a_new_file_reads_as_zero_pages(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_threads_reading_and_writing_disjoint_pages_at_once(tmp_path, engine):
+def test_threads_reading_and_writing_disjoint_pages_at_once(drive_dir, engine):
     """A background thread reads its half while the caller writes the other half, through one
     PageFile: neither sees the other's pages change, and the last writes are what the file holds."""
     reader = engine_reader(engine, threads=8)
     rng = np.random.default_rng(1)
     half = 64
-    with PageFile.create(tmp_path / "shared.pages", 2 * half, reader=reader) as pages:
+    with PageFile.create(drive_dir / "shared.pages", 2 * half, reader=reader) as pages:
         fixed = random_pages(rng, half)
         pages.write(np.arange(half, 2 * half), fixed)
         wrong: list[int] = []
@@ -132,34 +143,34 @@ def test_threads_reading_and_writing_disjoint_pages_at_once(tmp_path, engine):
 # --------------------------------------------------------------------------- bad input and faults
 
 
-def test_create_refuses_a_missing_folder_and_an_existing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"the folder {tmp_path / 'nowhere'} does not exist"):
-        PageFile.create(tmp_path / "nowhere" / "rows.pages", 4)
-    (tmp_path / "rows.pages").write_bytes(b"keep me")
-    with pytest.raises(FileExistsError, match=f"{tmp_path / 'rows.pages'} exists: refusing to overwrite"):
-        PageFile.create(tmp_path / "rows.pages", 4)
-    assert (tmp_path / "rows.pages").read_bytes() == b"keep me"
+def test_create_refuses_a_missing_folder_and_an_existing_file(drive_dir):
+    with pytest.raises(FileNotFoundError, match=f"the folder {drive_dir / 'nowhere'} does not exist"):
+        PageFile.create(drive_dir / "nowhere" / "rows.pages", 4)
+    (drive_dir / "rows.pages").write_bytes(b"keep me")
+    with pytest.raises(FileExistsError, match=f"{drive_dir / 'rows.pages'} exists: refusing to overwrite"):
+        PageFile.create(drive_dir / "rows.pages", 4)
+    assert (drive_dir / "rows.pages").read_bytes() == b"keep me"
 
 
-def test_create_says_what_space_is_needed_and_free(tmp_path, monkeypatch):
+def test_create_says_what_space_is_needed_and_free(drive_dir, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(pagefile_module.shutil, "disk_usage", lambda folder: usage(10**9, 10**9 - 100, 100))
     with pytest.raises(OSError, match=r"not enough space for .*rows.pages: needs 16.00 KiB, 100 B free on ") as caught:
-        PageFile.create(tmp_path / "rows.pages", 4)
+        PageFile.create(drive_dir / "rows.pages", 4)
     assert caught.value.errno == errno.ENOSPC
-    assert not (tmp_path / "rows.pages").exists()
+    assert not (drive_dir / "rows.pages").exists()
 
 
-def test_open_refuses_what_is_not_a_page_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"page file {tmp_path / 'absent.pages'} does not exist"):
-        PageFile.open(tmp_path / "absent.pages")
-    (tmp_path / "odd.pages").write_bytes(b"x" * (PAGE + 1))
-    with pytest.raises(ValueError, match=f"{tmp_path / 'odd.pages'}: {PAGE + 1} bytes is not a whole number"):
-        PageFile.open(tmp_path / "odd.pages")
+def test_open_refuses_what_is_not_a_page_file(drive_dir):
+    with pytest.raises(FileNotFoundError, match=f"page file {drive_dir / 'absent.pages'} does not exist"):
+        PageFile.open(drive_dir / "absent.pages")
+    (drive_dir / "odd.pages").write_bytes(b"x" * (PAGE + 1))
+    with pytest.raises(ValueError, match=f"{drive_dir / 'odd.pages'}: {PAGE + 1} bytes is not a whole number"):
+        PageFile.open(drive_dir / "odd.pages")
 
 
-def test_bad_page_numbers_and_buffers_are_errors_naming_the_file(tmp_path):
-    path = tmp_path / "rows.pages"
+def test_bad_page_numbers_and_buffers_are_errors_naming_the_file(drive_dir):
+    path = drive_dir / "rows.pages"
     with PageFile.create(path, 4) as pages:
         for wanted in ([4], [0, -1]):
             with pytest.raises(ValueError, match=f"{path}: page {wanted[-1]} is out of range: the file has 4 pages"):
@@ -179,8 +190,8 @@ def test_bad_page_numbers_and_buffers_are_errors_naming_the_file(tmp_path):
         pages.read(np.array([0]), aligned_pages(1))
 
 
-def test_a_short_read_names_the_page_and_the_file(tmp_path):
-    path = tmp_path / "rows.pages"
+def test_a_short_read_names_the_page_and_the_file(drive_dir):
+    path = drive_dir / "rows.pages"
     with PageFile.create(path, 4) as pages:
         os.truncate(path, 2 * PAGE)  # someone cut the file under us
         with pytest.raises(OSError, match=f"short read of page 3 in {path}: 0 of 4096 bytes") as caught:
@@ -201,14 +212,14 @@ def test_the_reader_reports_enospc_and_the_failed_index(engine):
     assert caught.value.errno == errno.ENOSPC and caught.value.index == 0
 
 
-def test_a_full_drive_during_a_write_names_the_device_and_the_page(tmp_path):
+def test_a_full_drive_during_a_write_names_the_device_and_the_page(drive_dir):
     class FullDrive:
         name = "a drive that fills at the second page"
 
         def transfer(self, fd, pages, buf, write):
             raise TransferError(errno.ENOSPC, 1, 0)
 
-    path = tmp_path / "rows.pages"
+    path = drive_dir / "rows.pages"
     with PageFile.create(path, 8, reader=FullDrive()) as pages:
         with pytest.raises(OSError, match=rf"no space left on {pages.mount.device} writing {path} \(page 7\)") as caught:
             pages.write(np.array([3, 7]), aligned_pages(2))
@@ -220,7 +231,7 @@ def test_a_full_drive_during_a_write_names_the_device_and_the_page(tmp_path):
 
 def test_this_machines_work_and_tmp_folders():
     """What /work and /tmp are on here, and whether O_DIRECT reads work there (it is said, not assumed)."""
-    for folder in ("/work", tempfile.gettempdir()):
+    for folder in [f for f in ("/work", tempfile.gettempdir()) if os.path.isdir(f)]:
         mount = mount_of(folder)
         assert mount.filesystem != "unknown"
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
@@ -253,7 +264,7 @@ def test_tmpfs_is_refused_unless_buffered_reads_are_asked_for():
     assert not path.exists()
 
 
-def test_a_file_system_refusing_o_direct_is_named(tmp_path, monkeypatch):
+def test_a_file_system_refusing_o_direct_is_named(drive_dir, monkeypatch):
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -263,9 +274,9 @@ def test_a_file_system_refusing_o_direct_is_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pagefile_module.os, "open", no_direct)
     with pytest.raises(DirectIOError, match=r"refuses O_DIRECT \(EINVAL\)"):
-        PageFile.create(tmp_path / "rows.pages", 2)
-    assert not (tmp_path / "rows.pages").exists()
-    with PageFile.create(tmp_path / "rows.pages", 2, direct=False) as pages:
+        PageFile.create(drive_dir / "rows.pages", 2)
+    assert not (drive_dir / "rows.pages").exists()
+    with PageFile.create(drive_dir / "rows.pages", 2, direct=False) as pages:
         assert not pages.direct and "refuses O_DIRECT" in pages.direct_problem
 
 
@@ -278,14 +289,14 @@ def test_mount_of_takes_the_deepest_mount_point():
 # --------------------------------------------------------------------------- the native library and its fallback
 
 
-def test_without_a_compiler_the_python_pool_reads_and_says_why(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing built yet
+def test_without_a_compiler_the_python_pool_reads_and_says_why(drive_dir, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(drive_dir / "cache"))  # nothing built yet
     monkeypatch.setenv("CC", "no-such-cc-embbench")
     assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")
     reader = get_reader(4)
     assert reader.engine == "python"
     assert reader.name == "python preadv pool, 4 threads (no C compiler: no-such-cc-embbench not found)"
-    with PageFile.create(tmp_path / "rows.pages", 3, reader=reader) as pages:
+    with PageFile.create(drive_dir / "rows.pages", 3, reader=reader) as pages:
         data = random_pages(np.random.default_rng(4), 3)
         pages.write(np.array([2, 0, 1]), data)
         out = aligned_pages(3)
@@ -293,28 +304,28 @@ def test_without_a_compiler_the_python_pool_reads_and_says_why(tmp_path, monkeyp
         np.testing.assert_array_equal(out, data)
 
 
-def test_a_failed_build_falls_back_and_says_so(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def test_a_failed_build_falls_back_and_says_so(drive_dir, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(drive_dir / "cache"))
     monkeypatch.setenv("CC", "false")
     assert native_library() == (None, "C build failed: no message")
     assert get_reader(2).name == "python preadv pool, 2 threads (C build failed: no message)"
-    monkeypatch.setattr(reader_module, "_SOURCE", tmp_path / "left-out.c")  # an install without the C file
+    monkeypatch.setattr(reader_module, "_SOURCE", drive_dir / "left-out.c")  # an install without the C file
     lib, why = native_library()
     assert lib is None and why.startswith("no C source: ") and "left-out.c" in why
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
-def test_the_library_is_built_once_into_the_cache_keyed_by_its_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def test_the_library_is_built_once_into_the_cache_keyed_by_its_source(drive_dir, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(drive_dir / "cache"))
     monkeypatch.delenv("CC", raising=False)
     lib, why = native_library()
     assert lib is not None and why == ""
-    built = list((tmp_path / "cache" / "embbench").iterdir())
+    built = list((drive_dir / "cache" / "embbench").iterdir())
     assert len(built) == 1 and built[0].name.startswith("pageio-") and built[0].suffix == ".so"
     monkeypatch.setenv("CC", "no-such-cc-embbench")  # built: no compiler needed any more
     assert native_library()[0] is not None
-    monkeypatch.setattr(reader_module, "_SOURCE", tmp_path / "pageio.c")
-    (tmp_path / "pageio.c").write_bytes(Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
+    monkeypatch.setattr(reader_module, "_SOURCE", drive_dir / "pageio.c")
+    (drive_dir / "pageio.c").write_bytes(Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
                                         + b"\n/* changed */\n")
     assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")  # a new source: a new build
 
@@ -334,10 +345,10 @@ def probe_args(*argv: str):
     return parser.parse_args(list(argv))
 
 
-def test_the_probe_measures_a_drive_and_the_reader_and_leaves_nothing(tmp_path):
-    probe = measure_drive(tmp_path, seconds=0.05, depths=(1, 4), file_bytes=64 * PAGE, ceiling_seconds=0.05)
+def test_the_probe_measures_a_drive_and_the_reader_and_leaves_nothing(drive_dir):
+    probe = measure_drive(drive_dir, seconds=0.05, depths=(1, 4), file_bytes=64 * PAGE, ceiling_seconds=0.05)
     assert isinstance(probe, DriveProbe) and probe.problem is None
-    assert probe.filesystem == mount_of(tmp_path).filesystem and probe.device == mount_of(tmp_path).device
+    assert probe.filesystem == mount_of(drive_dir).filesystem and probe.device == mount_of(drive_dir).device
     assert [rate.depth for rate in probe.drive] == [1, 4] == [rate.depth for rate in probe.memory]
     for rate in probe.drive + probe.memory:
         assert rate.reads > 0 and rate.seconds > 0 and rate.reads_per_s > 0
@@ -346,7 +357,7 @@ def test_the_probe_measures_a_drive_and_the_reader_and_leaves_nothing(tmp_path):
     assert probe.reader_ceiling == max(rate.reads_per_s for rate in probe.memory)
     record = probe.as_dict()
     assert record["drive"][1]["depth"] == 4 and record["reader_ceiling_reads_per_s"] == probe.reader_ceiling
-    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+    assert list(drive_dir.iterdir()) == []  # the scratch file is gone
 
 
 @pytest.mark.skipif(not SHM_IS_TMPFS, reason="/dev/shm is not tmpfs here")
@@ -360,44 +371,44 @@ def test_the_probe_on_tmpfs_says_so_and_measures_no_drive():
 
 
 @pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError])
-def test_the_scratch_file_is_removed_when_the_probe_is_stopped(tmp_path, monkeypatch, fault):
+def test_the_scratch_file_is_removed_when_the_probe_is_stopped(drive_dir, monkeypatch, fault):
     def stopped(*args):
-        assert len(list(tmp_path.iterdir())) == 1  # the scratch file exists now
+        assert len(list(drive_dir.iterdir())) == 1  # the scratch file exists now
         raise fault()
 
     monkeypatch.setattr(probe_module, "_rate", stopped)
     with pytest.raises(fault):
-        measure_drive(tmp_path, seconds=0.05, depths=(1,), file_bytes=8 * PAGE)
-    assert list(tmp_path.iterdir()) == []
+        measure_drive(drive_dir, seconds=0.05, depths=(1,), file_bytes=8 * PAGE)
+    assert list(drive_dir.iterdir()) == []
 
 
-def test_the_command_prints_the_table(tmp_path, capsys):
-    assert probe_module.main(probe_args(str(tmp_path), "--seconds", "0.05", "--depths", "1,2",
+def test_the_command_prints_the_table(drive_dir, capsys):
+    assert probe_module.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "1,2",
                                         "--file-size", "256KiB")) == 0
     out = capsys.readouterr().out
-    assert "drive reads/s" in out and "reader from" in out and mount_of(tmp_path).filesystem in out
-    assert probe_module.main(probe_args(str(tmp_path), "--seconds", "0.05", "--depths", "3",
+    assert "drive reads/s" in out and "reader from" in out and mount_of(drive_dir).filesystem in out
+    assert probe_module.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "3",
                                         "--file-size", "64KiB", "--json")) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["drive"][0]["depth"] == 3 and record["path"] == str(tmp_path)
+    assert record["drive"][0]["depth"] == 3 and record["path"] == str(drive_dir)
 
 
-def test_the_command_refuses_a_bad_folder_in_one_line(tmp_path, capsys, monkeypatch):
-    (tmp_path / "file").write_text("x")
-    cases = {str(tmp_path / "absent"): f"{tmp_path / 'absent'}: no such folder",
-             str(tmp_path / "file"): f"{tmp_path / 'file'} is not a folder"}
+def test_the_command_refuses_a_bad_folder_in_one_line(drive_dir, capsys, monkeypatch):
+    (drive_dir / "file").write_text("x")
+    cases = {str(drive_dir / "absent"): f"{drive_dir / 'absent'}: no such folder",
+             str(drive_dir / "file"): f"{drive_dir / 'file'} is not a folder"}
     for folder, message in cases.items():
         assert probe_module.main(probe_args(folder)) == 2
         assert capsys.readouterr().err == f"embbench disk: {message}\n"
     with monkeypatch.context() as patched:
         patched.setattr(probe_module.os, "access", lambda path, mode: False)
-        assert probe_module.main(probe_args(str(tmp_path))) == 2
-        assert capsys.readouterr().err == f"embbench disk: {tmp_path} is not writable: the probe writes a scratch file there\n"
+        assert probe_module.main(probe_args(str(drive_dir))) == 2
+        assert capsys.readouterr().err == f"embbench disk: {drive_dir} is not writable: the probe writes a scratch file there\n"
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(pagefile_module.shutil, "disk_usage", lambda folder: usage(2**40, 2**40 - 2**20, 2**20))
-    assert probe_module.main(probe_args(str(tmp_path))) == 2
-    assert capsys.readouterr().err == (f"embbench disk: not enough space for the probe's scratch file in {tmp_path}: "
-                                       f"needs 1.00 GiB, 1.00 MiB free on {mount_of(tmp_path).device}\n")
-    assert probe_module.main(probe_args(str(tmp_path), "--depths", "1,x")) == 2
+    assert probe_module.main(probe_args(str(drive_dir))) == 2
+    assert capsys.readouterr().err == (f"embbench disk: not enough space for the probe's scratch file in {drive_dir}: "
+                                       f"needs 1.00 GiB, 1.00 MiB free on {mount_of(drive_dir).device}\n")
+    assert probe_module.main(probe_args(str(drive_dir), "--depths", "1,x")) == 2
     assert "--depths '1,x': expected numbers separated by commas" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == [tmp_path / "file"]
+    assert list(drive_dir.iterdir()) == [drive_dir / "file"]
