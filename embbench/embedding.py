@@ -75,6 +75,17 @@ class RowSpace:
 
         fill_in_parallel(fill, jobs, workers)
 
+    def initial_rows(self, init_weights, start: int, stop: int) -> Tensor:
+        """Global rows ``[start, stop)`` of the initial weights (float32 ``[stop - start, dim]``),
+        across as many tables as the range spans."""
+        parts = []
+        for t, table in enumerate(self.tables):
+            first = int(self.starts[t])
+            lo, hi = max(start, first), min(stop, first + table.num_rows)
+            if lo < hi:
+                parts.append(init_weights(t, lo - first, hi - first))
+        return torch.cat(parts) if parts else torch.empty(0, self.dim)
+
     def split(self, full: Tensor) -> list[Tensor]:
         """A ``[num_rows, ...]`` tensor cut into one piece per table."""
         return list(torch.split(full, [t.num_rows for t in self.tables]))

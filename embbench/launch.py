@@ -195,6 +195,18 @@ def remove_dead_scratch() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _cell_work_dir(path: Path):
+    """The cell's work folder, emptied first (a killed run's files go) and removed at the end
+    (after the ranks are reaped: ``run_isolated`` kills them before leaving)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _keep_eval_scores(metrics: dict[str, Any] | None, path: Path) -> None:
     """Move the evaluation's per-sample scores out of a cell's metrics into ``path`` (the record
     keeps the file's name: ``recommend`` compares AUCs on the same samples); a file that cannot
@@ -213,16 +225,19 @@ def _keep_eval_scores(metrics: dict[str, Any] | None, path: Path) -> None:
 def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Path,
                  weights_path: Path | None = None, time_limit_s: float | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None,
-                 profile_path: Path | None = None) -> CellOutcome:
+                 profile_path: Path | None = None, work_dir: Path | None = None) -> CellOutcome:
     """Run one cell in ``cell.world_size`` fresh processes and report how it ended.
 
     ``on_progress(phase, step, total)`` follows rank 0 through build, warmup, measure and eval;
-    ``profile_path`` asks for a torch.profiler trace of a few extra steps there.
+    ``profile_path`` asks for a torch.profiler trace of a few extra steps there. ``work_dir``:
+    the cell's own folder for its strategy's files (a row file), made empty here and removed
+    when the cell ends, however it ends (default: inside its scratch folder).
     """
     limit = time_limit_s if time_limit_s is not None else scenario.run.time_limit_s
     log_dir.mkdir(parents=True, exist_ok=True)
     remove_dead_scratch()
-    with tempfile.TemporaryDirectory(prefix=f"embbench-cell-{os.getpid()}-") as tmp:  # the pid: see remove_dead_scratch
+    with tempfile.TemporaryDirectory(prefix=f"embbench-cell-{os.getpid()}-") as tmp, \
+            _cell_work_dir(work_dir or Path(tmp) / "work") as work:  # the pid: see remove_dead_scratch
         tmp_dir = Path(tmp)
         spec = {
             "scenario": scenario.model_dump(mode="json"),
@@ -233,6 +248,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             "weights": str(weights_path) if weights_path else None,
             "progress": str(tmp_dir / "progress.json"),
             "profile": str(profile_path) if profile_path else None,
+            "work_dir": str(work),
         }
         spec_path = tmp_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -480,7 +496,8 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
             follow = (lambda phase, step, total: on_progress(cell, phase, step, total)) if on_progress else None
             profile = profile_dir / f"{cell.slug}.trace.json" if profile_dir is not None else None
             return outcome_without_launch(scenario, cell, force) or run_isolated(
-                scenario, scenario_file, cell, out_dir / "logs", weights, on_progress=follow, profile_path=profile)
+                scenario, scenario_file, cell, out_dir / "logs", weights, on_progress=follow, profile_path=profile,
+                work_dir=out_dir / "work" / cell.slug)
     compare = scenario.weights_compared()
     weights_dir = out_dir / "weights"
     if done is None:

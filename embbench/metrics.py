@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
+__all__ = ["memory_tiers", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
            "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training"]
 
 #: A training loss this many times the first step's says the optimizer overshot. The scenarios'
@@ -149,6 +149,62 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     pos = (len(sorted_values) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int = 4096) -> list[dict[str, Any]] | None:
+    """``metrics.tiers``: where each distinct row a batch needs was found, per tier, from a
+    cache's counters over ``steps`` timed steps (None: the strategy counts no tiers).
+
+    ``hbm`` is the cache on the device, ``dram`` the host memory below it, ``nvme`` a drive
+    below that (freqcache's ``store: file``; without it the host table is the last tier).
+    Per tier: ``hit_rate`` is the share of all (distinct-per-batch) accesses it served,
+    ``hit_rate_of_reaching`` the share of the accesses that reached it (FBGEMM #5777: the
+    second falls as the tier above grows); its traffic a step with the tier below it (rows
+    read into it, written out of it); on the drive its I/Os (4 KiB pages), read amplification
+    (bytes read over the useful rows' bytes), what the step waited for it (stall) and the reads a
+    second it achieved while reading.
+    """
+    reached = c.get("unique_accesses")
+    if not reached or "unique_misses" not in c:
+        return None
+    per_step = (lambda v: v / steps) if steps else (lambda v: None)
+
+    def share(part: int, whole: int) -> float | None:
+        return part / whole if whole else None
+
+    # a row found on the device is one not loaded (a miss may find its row in a staging slot)
+    loaded = c.get("bytes_h2d", 0) // max(1, row_bytes)
+    hbm_hits = reached - loaded
+    tiers = [{"tier": "hbm", "hit_rate": share(hbm_hits, reached), "hit_rate_of_reaching": share(hbm_hits, reached),
+              "hit_rate_per_access": share(c.get("hits", 0), c.get("accesses", 0)),
+              "reaching_per_step": per_step(reached),
+              "rows_read_per_step": per_step(loaded), "bytes_read_per_step": per_step(loaded * row_bytes),
+              "rows_written_per_step": per_step(c.get("rows_written_back", 0)),
+              "bytes_written_per_step": per_step(c.get("bytes_d2h", 0))}]
+    if "dram_loads" not in c:
+        tiers.append({"tier": "dram", "hit_rate": share(reached - hbm_hits, reached), "hit_rate_of_reaching": 1.0 if
+                      reached - hbm_hits else None, "reaching_per_step": per_step(reached - hbm_hits)})
+        return tiers
+    loads, misses = loaded, c["dram_load_misses"]
+    pages_read, pages_written = c["nvme_pages_read"], c["nvme_pages_written"]
+    reads_s = c["nvme_read_ns"] / 1e9
+    tiers.append({"tier": "dram", "hit_rate": share(loads - misses, reached), "hit_rate_of_reaching": share(loads - misses, loads),
+                  "reaching_per_step": per_step(loads),
+                  "rows_read_per_step": per_step(loads), "bytes_read_per_step": per_step(loads * row_bytes),
+                  "rows_written_per_step": per_step(c["dram_write_backs"]),
+                  "bytes_written_per_step": per_step(c["dram_write_backs"] * row_bytes),
+                  "write_misses_per_step": per_step(c["dram_write_misses"])})
+    tiers.append({"tier": "nvme", "hit_rate": share(misses, reached), "hit_rate_of_reaching": 1.0 if misses else None,
+                  "reaching_per_step": per_step(misses),
+                  "rows_read_per_step": per_step(misses), "bytes_read_per_step": per_step(pages_read * page_bytes),
+                  "bytes_written_per_step": per_step(pages_written * page_bytes),
+                  "pages_read_per_step": per_step(pages_read), "pages_written_per_step": per_step(pages_written),
+                  "ios_per_step": per_step(pages_read + pages_written),
+                  "pages_read_on_demand_per_step": per_step(c["nvme_pages_read_on_demand"]),
+                  "read_amplification": share(pages_read * page_bytes, misses * row_bytes),
+                  "stall_seconds_per_step": per_step(c["stall_ns"] / 1e9),
+                  "reads_per_second": share(pages_read, reads_s) if reads_s else None})
+    return tiers
 
 
 def summarize(samples: list[float]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench.data.sources import eval_batches
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
-from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, miss_rate, peak_rss_bytes,
+from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, memory_tiers, miss_rate, peak_rss_bytes,
                               speed_figures, warmed_up)
 from embbench.model import build_model
 from embbench.outputs import atomic_write
@@ -58,7 +58,7 @@ class StrategyOutputError(RuntimeError):
 @scoped_to_the_cell  # run.dense_precision's matmul mode (tf32) for the whole cell
 def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path | None = None,
              process_group: Any = None, schedule: Schedule | None = None, progress: str | None = None,
-             profile_path: Path | None = None) -> dict[str, Any]:
+             profile_path: Path | None = None, work_dir: Path | None = None) -> dict[str, Any]:
     """Train and measure one cell on this rank; returns rank-local measurements.
 
     Args:
@@ -66,9 +66,10 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
             proposal): lets a test train ``device`` on another strategy's schedule.
         progress: a file for the launcher to follow the phase and step (rank 0 writes it).
         profile_path: write a torch.profiler Chrome trace of a few extra steps here.
+        work_dir: the cell's own folder for the strategy's files (``BuildContext.work_dir``).
     """
     report = _Progress(progress, env.rank)
-    training = _build(scenario, cell, env, process_group, schedule, profile_path is not None, report)
+    training = _build(scenario, cell, env, process_group, schedule, profile_path is not None, report, work_dir)
     warmup = _warm_up(training, report)
     generator_rate = _generator_rate(training)
     timing = _time_steps(training, report)
@@ -188,7 +189,7 @@ class _Training:
 
 
 def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, schedule: Schedule | None,
-           profile: bool, report: "_Progress") -> _Training:
+           profile: bool, report: "_Progress", work_dir: Path | None = None) -> _Training:
     """The strategy's sparse module (timed), the dense model and its optimizer, the batches."""
     run, device = scenario.run, env.device
     tables = scenario.tables()
@@ -216,7 +217,7 @@ def _build(scenario: Scenario, cell: Cell, env: RuntimeEnv, process_group: Any, 
         init_weights=lambda t, a, b: initial_weights(tables[t], t, run.seed, a, b),
         train_batches=lambda n: (stream.fresh(i) for i in range(n)),
         warmup_steps=run.warmup_steps, process_group=process_group, train_steps=train_steps,
-        row_precision=cell.row_precision, seed=run.seed, sparse_backward=run.sparse_backward,
+        row_precision=cell.row_precision, seed=run.seed, sparse_backward=run.sparse_backward, work_dir=work_dir,
     )
     build_start = time.perf_counter()
     sparse = strategy.build(ctx)
@@ -539,6 +540,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
             **_derived_rates(total),
         },
         "extra": _combine_extra([r["extra"] for r in ranks]),
+        **({"tiers": tiers} if (tiers := memory_tiers(total, measured_steps, training.row_bytes)) else {}),
         "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
         **weights,
     }
@@ -685,7 +687,8 @@ def main(spec_path: str) -> int:
         env = RuntimeEnv(device=device, world_size=world, rank=rank)
         weights = Path(spec["weights"]) if spec.get("weights") else None
         profile = Path(spec["profile"]) if spec.get("profile") else None
-        metrics = run_cell(scenario, cell, env, weights, group, progress=spec.get("progress"), profile_path=profile)
+        metrics = run_cell(scenario, cell, env, weights, group, progress=spec.get("progress"), profile_path=profile,
+                           work_dir=Path(spec["work_dir"]) if spec.get("work_dir") else None)
         if rank == 0:
             tmp = result_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(metrics))

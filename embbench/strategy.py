@@ -16,6 +16,7 @@ import abc
 import inspect
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar, Iterator, Literal
 
@@ -132,6 +133,9 @@ class BuildContext:
         seed: the scenario's seed (for a strategy's own random streams, e.g. stochastic rounding).
         sparse_backward: ``run.sparse_backward`` (auto, padded, unique): how a store built from
             :mod:`embbench.embedding` sums its row gradients; applied by :meth:`configure`.
+        work_dir: a folder of this cell's own for files the strategy keeps (a row file), inside
+            the run directory; the harness removes it when the cell ends, however it ends
+            (None: the harness gives none, as in a test that builds a module directly).
     """
 
     tables: list[TableSpec]
@@ -146,6 +150,7 @@ class BuildContext:
     row_precision: str = "fp32"
     seed: int = 0
     sparse_backward: str = "auto"
+    work_dir: Path | None = None
 
     def configure(self, store) -> None:
         """Apply ``run.sparse_backward`` to an :class:`~embbench.embedding.RowStore` the

@@ -23,18 +23,23 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from embbench.cache import row_copy
+from embbench.cache.file_rows import FileRows
 from embbench.cache.row_copy import move_rows, words
 from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
                                              auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
+from embbench.data.weights import fill_in_parallel
+from embbench.disk.layout import PageLayout
 from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
@@ -61,6 +66,21 @@ class FreqCacheParams(StrategyParams):
     compile: bool | Literal["auto"] = Field(
         "auto", description="compile the steady-state device steps (torch.compile: fused kernels instead of one kernel per "
                             "operation); auto: on CUDA only (on a CPU, compiling takes seconds a run for ~15 % a step)")
+    store: Literal["memory", "file"] = Field(
+        "memory", description="where the full tables live: host memory, or a file on a drive behind a host-memory cache "
+                              "of its pages (read batches ahead, from the look-ahead window)")
+    store_dir: str | None = Field(None, description="store: file: the folder of the row file (default: the cell's own "
+                                                    "folder in the run directory)")
+    dram_ratio: float = Field(0.1, gt=0, le=1, description="store: file: the share of the file's pages host memory holds")
+    io_depth: int = Field(32, ge=1, le=1024, description="store: file: reads the reader keeps in flight")
+
+    @model_validator(mode="after")
+    def _file_store_only(self):
+        if self.store == "memory":
+            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth") if k in self.model_fields_set)
+            if given:
+                raise ValueError(f"{', '.join(given)}: only for store: file (store is memory)")
+        return self
 
 
 #: Steady-state steps run uncaptured before one is captured (they compile and warm the kernels up).
@@ -144,11 +164,18 @@ class FreqCache(SparseModule):
                                      window_rows=window_rows)
 
         # Host table: each row beside its scale (fp8) and optimizer state, packed in the row
-        # type's elements (RowType.pack), so one gather moves all of them.
-        self.host = host_table(n + 1, kind.packed_width(dim, width), self.device, kind.carrier)
-        host_weights, host_extras = kind.unpack(self.host[:n], dim)
-        self.space.fill_initial(host_weights, ctx.init_weights, kind=None if kind.exact else kind,
-                                scales=host_extras[:, :1])
+        # type's elements (RowType.pack), so one gather moves all of them. In host memory, or
+        # in a file (store: file) whose pages host memory caches.
+        self.host: Tensor | None = None
+        self.file_rows: FileRows | None = None
+        if params.store == "file":
+            self.file_rows = self._file_rows(ctx, params, profiled)
+            self._closer = weakref.finalize(self, self.file_rows.close)  # also at exit after an error
+        else:
+            self.host = host_table(n + 1, kind.packed_width(dim, width), self.device, kind.carrier)
+            host_weights, host_extras = kind.unpack(self.host[:n], dim)
+            self.space.fill_initial(host_weights, ctx.init_weights, kind=None if kind.exact else kind,
+                                    scales=host_extras[:, :1])
         slots = self.planner.num_slots + 1  # the last: the sink
         self.cache_weights = torch.zeros(slots, dim, dtype=kind.carrier, device=self.device)
         # per slot: the row's scale (fp8) and optimizer state, float32
@@ -158,11 +185,11 @@ class FreqCache(SparseModule):
         ctx.configure(self.store)
 
         hot = self.planner.profile(profiled)
-        warm = self.host[hot.to(self.host.device)].to(self.device)  # preloaded into slots 0..len-1
+        warm = self._host_rows(hot).to(self.device)  # preloaded into slots 0..len-1
         self.cache_weights[: len(hot)], self.cache_extras[: len(hot)] = kind.unpack(warm, dim)
         del profiled, warm
 
-        moves_problem = row_copy.triton_problem(self.device)
+        moves_problem = "rows in a file: the host moves them" if self.file_rows else row_copy.triton_problem(self.device)
         self._triton_moves = moves_problem is None
         self._moves_note = ("triton: padded entries skipped" if moves_problem is None else
                             f"torch: padded to {self.max_ids:,} rows a move ({moves_problem})")
@@ -178,15 +205,17 @@ class FreqCache(SparseModule):
                               "off: not on CUDA (compile: auto)" if params.compile == "auto" else "off: compile is false")
         self._captured: dict[str, CapturedStep] = {}
         self._eager_runs = dict.fromkeys(self._steps, 0)
-        self._graphs_on = self.cuda and params.cuda_graph
-        self._graph_note = ("not captured yet" if self._graphs_on else
-                            "off: not on CUDA" if not self.cuda else "off: cuda_graph is false")
+        self._graphs_on = self.cuda and params.cuda_graph and self.file_rows is None
+        self._graph_note = ("not captured yet" if self._graphs_on else "off: not on CUDA" if not self.cuda else
+                            "off: cuda_graph is false" if not params.cuda_graph else "off: rows in a file (host moves)")
         self._graph_checked = False
         self._numbers: dict[int, tuple[Tensor, int]] = {}  # id(values) -> (values, window number)
         self._entering: list[SparseFeatures] = []  # numbered, their device work not queued yet
         self._prefetched: _Prefetched | None = None
         self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
         self._running: int | None = None  # the plan of the last forwarded batch
+        self._plan_batches: dict[int, int | None] = {}  # plan -> its batch's window number (store: file)
+        self._moving: int | None = None  # the window number of the batch whose rows move now
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
@@ -204,8 +233,11 @@ class FreqCache(SparseModule):
         for features in upcoming:
             known = self._numbers.get(id(features.values))
             if known is None or known[0] is not features.values:
-                self._numbers[id(features.values)] = (features.values, self.planner.advance_entered())
+                number = self.planner.advance_entered()
+                self._numbers[id(features.values)] = (features.values, number)
                 self._entering.append(features)
+                if self.file_rows is not None:  # its blocks are read from the drive from now on
+                    self.file_rows.announce(number, self.space.global_rows(features).cpu().numpy())
 
     def _enter_pending(self) -> None:
         """Queue the device work of the batches that entered the window since the last call."""
@@ -226,7 +258,11 @@ class FreqCache(SparseModule):
         self._enter_pending()  # the plan sees every batch entered so far
         rows = self.space.global_rows(features.to(self.device))
         closes = train and self._observe(rows)
-        pid, step = self.planner.advance(train, running, self._window_number(features))
+        number = self._window_number(features)
+        pid, step = self.planner.advance(train, running, number)
+        self._moving = self._plan_batches[pid] = number
+        if self.file_rows is not None and number is not None:
+            self.file_rows.release(number - 2)  # its late moves are done (a plan's come at the next forward)
         if train and step == _STEADY and len(rows) == self.max_ids:  # every timed step
             out, replayed = self._device_step("plan", rows, eligible=True)
         else:
@@ -300,13 +336,18 @@ class FreqCache(SparseModule):
         # (outside the try: a failure here is not the compiler's, and must not plan the batch twice)
         return finish(out), False
 
+    @property
+    def _moves_outside_compiled(self) -> bool:
+        """The moves are no tensor operations to compile: Triton kernels, or the host's I/O."""
+        return self._triton_moves or self.file_rows is not None
+
     def _compiled_step(self, name: str):
         """The step compiled (its shapes fixed: no dynamic shapes), or as it is when compilation
         is off or failed."""
-        if not self._compiling or (self._triton_moves and name == "late"):  # Triton moves only: kernels already
+        if not self._compiling or (self._moves_outside_compiled and name == "late"):  # moves only: nothing to compile
             return self._steps[name]
         if name not in self._compiled:
-            if self._triton_moves and name == "plan":  # the moves outside the compiled graph
+            if self._moves_outside_compiled and name == "plan":  # the moves outside the compiled graph
                 self._compiled[name] = (torch.compile(self._steady_planned, dynamic=False, fullgraph=True),
                                         self._early_moves)
             else:
@@ -330,6 +371,10 @@ class FreqCache(SparseModule):
         the dummy host row: with Triton (CUDA) one launch a direction moves the live entries
         only (:mod:`~embbench.cache.row_copy`), else torch copies the padding there too."""
         sink, pad = self.planner.sink, self.planner.pad_row
+        if self.file_rows is not None:
+            self._file_moves(*DevicePlan.moves(late if late_part else ~late, write_back_slots, write_back_rows,
+                                               load_slots, load_rows, sink, pad))
+            return
         if self._triton_moves:
             host, weights, extras = words(self.host), words(self.cache_weights), words(self.cache_extras)
             for slots, rows, to_host in ((write_back_slots, write_back_rows, True), (load_slots, load_rows, False)):
@@ -345,11 +390,61 @@ class FreqCache(SparseModule):
         self.cache_weights.index_copy_(0, load_slots, weights)
         self.cache_extras.index_copy_(0, load_slots, extras)
 
+    def _file_moves(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor,
+                    load_rows: Tensor) -> None:
+        """The moves against a row file (the host reads the plan's lists: on CUDA a wait)."""
+        kind, pad = self.kind, self.planner.pad_row
+        rows = write_back_rows.cpu().numpy()
+        out = rows != pad
+        if out.any():
+            slots = write_back_slots[torch.from_numpy(out).to(self.device)]
+            packed = kind.pack(self.cache_weights[slots], self.cache_extras[slots])
+            self.file_rows.scatter(rows[out], packed.cpu())
+        rows = load_rows.cpu().numpy()
+        into = rows != pad
+        if into.any():
+            weights, extras = kind.unpack(self.file_rows.gather(rows[into], self._moving).to(self.device), self.dim)
+            slots = load_slots[torch.from_numpy(into).to(self.device)]
+            self.cache_weights.index_copy_(0, slots, weights)
+            self.cache_extras.index_copy_(0, slots, extras)
+
+    def _host_rows(self, rows: Tensor) -> Tensor:
+        """Packed rows of the host table (from the file's pages with store: file)."""
+        if self.file_rows is not None:
+            return self.file_rows.gather(rows.cpu().numpy())
+        return self.host[rows.to(self.host.device)]
+
+    def _file_rows(self, ctx: BuildContext, params: FreqCacheParams, profiled: list[Tensor]) -> FileRows:
+        """The row file, made and filled with the initial weights a chunk at a time (never the
+        whole table in memory). Host memory is sized by the profiled batches' blocks."""
+        kind, dim, width = self.kind, self.dim, self.optimizer.state_width
+        folder = Path(params.store_dir) if params.store_dir else ctx.work_dir
+        if folder is None:
+            raise Unsupported("store: file needs store_dir (this harness gives the cell no folder of its own)")
+        per_block = PageLayout(self.num_rows, self.row_bytes).rows_per_page
+        touched = max((len(torch.unique(rows // per_block)) for rows in profiled), default=1)
+        rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,
+                               params.dram_ratio, batch_blocks=math.ceil(1.25 * touched), io_depth=params.io_depth)
+        rounded = None if kind.exact else kind
+
+        def make_rows(start: int, stop: int) -> Tensor:
+            weights = self.space.initial_rows(ctx.init_weights, start, stop)
+            extras = torch.zeros(stop - start, kind.extras(width))
+            if rounded is not None:
+                weights, scale = rounded.encode(weights, None)
+                if scale is not None:
+                    extras[:, :1] = scale
+            return kind.pack(weights, extras)
+
+        rows.fill(make_rows, run=fill_in_parallel)
+        return rows
+
     def _apply_late(self) -> None:
         """The last plan's moves into slots the step before it used, now that that step has
         ended (its update is queued before this)."""
         plan, self._late = self._late, None
         if plan is not None:
+            self._moving = self._plan_batches.pop(plan.id, None)
             with self._on_side():
                 self._device_step("late", plan.write_back_slots, plan.write_back_rows, plan.load_slots,
                                   plan.load_rows, plan.late, plan.live, eligible=True)
@@ -430,10 +525,12 @@ class FreqCache(SparseModule):
         # No host planning and no own host syncs to count (the step's syncs are counted by the
         # runner's operator counter, on CUDA).
         return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
-                **self.store.work_counters()}
+                **self.store.work_counters(), **(self.file_rows.counters() if self.file_rows else {})}
 
     def memory(self) -> MemoryFootprint:
         device = self.store.nbytes + self.planner.nbytes
+        if self.file_rows is not None:  # the file is on the drive: host memory holds its cached pages
+            return MemoryFootprint(device_bytes=device, host_bytes=self.file_rows.nbytes)
         if self.cuda:
             return MemoryFootprint(device_bytes=device, host_bytes=0, pinned_bytes=self.host.nbytes)
         return MemoryFootprint(device_bytes=device, host_bytes=self.host.nbytes)
@@ -444,9 +541,16 @@ class FreqCache(SparseModule):
         self._join_side()
         slots, rows = self.planner.dirty()
         out = self.kind.pack(self.cache_weights[slots], self.cache_extras[slots])
-        self.host.index_copy_(0, rows.to(self.host.device), out.to(self.host.device))
+        if self.file_rows is not None:
+            rows = rows.cpu().numpy()
+            real = rows < self.num_rows  # (the dummy row has no place in the file)
+            self.file_rows.scatter(rows[real], out.cpu()[torch.from_numpy(real)])
+            table = self.file_rows.table()
+        else:
+            self.host.index_copy_(0, rows.to(self.host.device), out.to(self.host.device))
+            table = self.host[: self.num_rows].cpu()
         self.planner.clean()
-        weights, extras = self.kind.unpack(self.host[: self.num_rows].cpu(), self.dim)
+        weights, extras = self.kind.unpack(table, self.dim)
         if not self.kind.exact:
             weights = self.kind.decode(weights, extras[:, :1] if self.kind.scaled else None)
         return [t.clone() for t in self.space.split(weights)]
@@ -462,7 +566,8 @@ class FreqCache(SparseModule):
                      "cache_graph_captured": bool(self._captured), "cache_graph": self._graph_note,
                      "cache_moves": self._moves_note,
                      "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note,
-                     "cache_compile_seconds": dict(self._compile_seconds)}
+                     "cache_compile_seconds": dict(self._compile_seconds),
+                     **(self.file_rows.describe() if self.file_rows else {"store": "memory"})}
         if self._window_start is None:
             return out
         end = self._window_end if self._window_end is not None else self.planner.counts  # a run shorter than the window

@@ -1,0 +1,458 @@
+"""freqcache's host rows in a file on a drive, behind a host-memory cache of the file's pages
+(``store: file``; issue 43).
+
+The file holds every row packed with its scale and optimizer state (the layout of
+:mod:`embbench.disk.layout`: rows whole in 4 KiB pages), read and written with O_DIRECT, so that
+the drive is measured and not the kernel's page cache. Host memory holds ``dram_ratio`` of the
+file's pages (a *block* is the unit: one page of rows, or the pages of one larger row).
+
+The look-ahead is what lets a drive keep up: each training batch is *announced* when it enters
+freqcache's window (batches before it is planned); the blocks it touches that host memory lacks
+are read then, by a background job whose reads the reader keeps in flight side by side, and
+the batch's blocks are pinned until its rows have moved. Announced batches are issued in order
+as long as the pinned blocks leave a quarter of host memory free; the rest wait in a queue. A
+step waits only for reads that have not arrived (its *stall*); a row that no announcement
+brought (an evaluation batch, a write-back into an evicted block) is read on demand, also a
+stall. Evicted dirty blocks are written back to the file before their memory is reused.
+
+Every bookkeeping array is the calling thread's: the background worker only moves bytes
+between the file and blocks that no one else touches until its job is reaped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import math
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from embbench.disk.layout import PAGE, PageLayout
+from embbench.disk.pagefile import PageFile, aligned_pages
+from embbench.disk.reader import get_reader
+
+__all__ = ["FileRows", "STORE_COUNTERS"]
+
+#: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
+STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
+                  "nvme_pages_written", "nvme_pages_read_on_demand", "nvme_read_ns", "stall_ns",
+                  "prefetch_batches_waited")
+
+
+@dataclass
+class _Job:
+    """One announced batch's I/O: dirty victims out, then the missing blocks in."""
+
+    number: int
+    slots: np.ndarray  # the slots it fills (their ready flag is set when it is reaped)
+    future: Future
+
+
+class FileRows:
+    """``rows`` packed rows of ``width`` ``dtype`` elements, in a file at ``path`` (made here,
+    removed by :meth:`close`), behind a host-memory cache of ``dram_ratio`` of its blocks.
+    :meth:`create` names the file and finds the ones earlier runs left.
+
+    Args:
+        batch_blocks: the most distinct blocks one batch touches (from the profile): host memory
+            keeps that many free for reads on demand, and must hold twice as many (a smaller
+            ``dram_ratio`` is refused, saying which is needed).
+        direct: read and write with O_DIRECT (False only where a test must run on tmpfs).
+        io_depth: reads the reader keeps in flight.
+    """
+
+    @classmethod
+    def create(cls, folder: Path, rank: int, rows: int, width: int, dtype: torch.dtype, dram_ratio: float,
+               batch_blocks: int, **kw) -> "FileRows":
+        """A store in ``folder``, named after this process, after removing the files that runs
+        which are gone left there (a killed run holds no lock); a file another live process
+        holds is refused by name: two runs must not share a store_dir."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ValueError(f"store_dir {folder}: " + ("not a directory" if folder.exists() else "does not exist"))
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"store_dir {folder}: not writable by this user")
+        removed = [str(p) for p in folder.glob(f"{_PREFIX}*.rows") if _remove_if_abandoned(p)]
+        store = cls(folder / f"{_PREFIX}{os.getpid()}-rank{rank}-{next(_made)}.rows", rows, width, dtype, dram_ratio, batch_blocks, **kw)
+        store.removed_stale = removed
+        return store
+
+    def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype, dram_ratio: float, batch_blocks: int,
+                 direct: bool = True, io_depth: int = 32):
+        self.dtype, self.width = dtype, width
+        self.row_bytes = width * torch.empty(0, dtype=dtype).element_size()
+        self.layout = layout = PageLayout(rows, self.row_bytes)
+        self.rows_per_block, self.block_pages = layout.rows_per_page, layout.pages_per_row
+        self.block_bytes = self.block_pages * PAGE
+        self.blocks = math.ceil(rows / self.rows_per_block) if rows else 0
+        capacity = min(self.blocks, math.ceil(dram_ratio * self.blocks))
+        needed = min(self.blocks, 2 * batch_blocks)
+        if capacity < needed:
+            raise ValueError(f"dram_ratio {dram_ratio:g} holds {capacity:,} of the store's {self.blocks:,} blocks of "
+                             f"{self.block_bytes // 1024} KiB; a batch touches up to {batch_blocks:,} and host memory "
+                             f"must hold two batches': dram_ratio >= {math.ceil(100 * needed / self.blocks) / 100:.2f} "
+                             "is needed")
+        self.capacity = capacity
+        self.reserve = min(batch_blocks, capacity // 2)  # kept free for reads on demand
+        self.removed_stale: list[str] = []
+        self.file = PageFile.create(path, layout.pages, direct=direct, reader=get_reader(io_depth))
+        _lock(self.file)
+        self.path = self.file.path
+        self.buffer = aligned_pages(capacity * self.block_pages)  # [pages, PAGE] uint8
+        self._rows = self._block_rows(self.buffer)  # every row of every slot: [slot, row in block, byte]
+        self.block_slot = np.full(self.blocks, -1, np.int64)
+        self.slot_block = np.full(capacity, -1, np.int64)
+        self.ready = np.zeros(capacity, bool)  # the slot's block has arrived
+        self.dirty = np.zeros(capacity, bool)
+        self.pins = np.zeros(capacity, np.int32)  # announced batches not yet moved that need the slot
+        self.last_use = np.zeros(capacity, np.int64)
+        self.read_for = np.full(capacity, -1, np.int64)  # the batch whose announcement read the slot's block
+        self.filled_by = np.full(capacity, -1, np.int64)  # the job that fills the slot
+        self._clock = 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-io")
+        self._jobs: deque[_Job] = deque()  # submitted, not reaped, in order
+        self._queued: deque[tuple[int, np.ndarray]] = deque()  # announced, not issued: (number, blocks)
+        self._pinned: dict[int, np.ndarray] = {}  # issued batch -> its slots
+        self._read_ns = 0  # the worker's (a Python int += under the GIL, read by the caller)
+        self.counts = dict.fromkeys(STORE_COUNTERS, 0)
+
+    # -- what the caller sees --------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the store holds: its blocks and its maps."""
+        maps = self.block_slot.nbytes + sum(a.nbytes for a in (self.slot_block, self.ready, self.dirty, self.pins,
+                                                                 self.last_use, self.read_for, self.filled_by))
+        return self.buffer.nbytes + maps
+
+    def describe(self) -> dict:
+        return {"store": "file", "store_file": str(self.path), "store_file_bytes": self.layout.file_bytes,
+                "store_filesystem": self.file.filesystem, "store_direct": self.file.direct,
+                "store_direct_problem": self.file.direct_problem, "store_reader": self.file.reader.name,
+                "dram_blocks": self.capacity, "store_blocks": self.blocks, "rows_per_block": self.rows_per_block,
+                "block_bytes": self.block_bytes, "store_files_removed": self.removed_stale}
+
+    def fill(self, make_rows: Callable[[int, int], Tensor], chunk_blocks: int = 4096,
+             run: Callable[[Callable, list], None] | None = None) -> None:
+        """Write every row once, a chunk of whole blocks at a time: ``make_rows(start, stop)``
+        returns rows ``[start, stop)`` packed (``[n, width]`` of ``dtype``). ``run(fill, jobs)``
+        may run the chunks side by side (they write distinct pages)."""
+        step = chunk_blocks * self.rows_per_block
+        jobs = [(lo, min(self.layout.rows, lo + step)) for lo in range(0, self.layout.rows, step)]
+
+        def fill(job: tuple[int, int]) -> None:
+            lo, hi = job
+            blocks = math.ceil((hi - lo) / self.rows_per_block)
+            staging = aligned_pages(blocks * self.block_pages)
+            padded = torch.zeros(blocks * self.rows_per_block, self.row_bytes, dtype=torch.uint8)
+            padded[: hi - lo] = make_rows(lo, hi).contiguous().view(torch.uint8).reshape(hi - lo, self.row_bytes)
+            self._block_rows(staging).copy_(padded.view(blocks, self.rows_per_block, self.row_bytes))
+            first = lo // self.rows_per_block
+            self.file.write(self._pages_of(np.arange(first, first + blocks)), staging)
+
+        (run or _serially)(fill, jobs)
+
+    def announce(self, number: int, rows: np.ndarray) -> None:
+        """Training batch ``number`` (in window order) will touch ``rows``: read what host memory
+        lacks, in the background, as soon as there is room."""
+        self._queued.append((number, np.unique(np.asarray(rows, dtype=np.int64) // self.rows_per_block)))
+        self._issue()
+
+    def release(self, number: int) -> None:
+        """Batch ``number``'s rows have moved: its blocks may be evicted again."""
+        slots = self._pinned.pop(number, None)
+        if slots is not None:
+            np.subtract.at(self.pins, slots, 1)
+        self._queued = deque((n, b) for n, b in self._queued if n != number)  # never issued: drop it
+        self._issue()
+
+    def gather(self, rows: np.ndarray, number: int | None = None) -> Tensor:
+        """Rows ``rows`` (distinct), packed: ``[len(rows), width]`` of ``dtype``. ``number``:
+        the batch whose plan loads them (counts a row its announcement read as a miss of
+        host memory)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
+        for part in self._parts(rows):  # more blocks than host memory has room for: a part at a time
+            slots, within, missed = self._resident(rows[part], number)
+            self.counts["dram_loads"] += len(part)
+            self.counts["dram_load_misses"] += int(missed.sum())
+            out[torch.from_numpy(part)] = self._rows[torch.from_numpy(slots), torch.from_numpy(within)]
+        return out.view(self.dtype)
+
+    def _parts(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Positions of ``rows`` in parts that each touch at most the reserve's blocks (one part,
+        all of them, when they fit)."""
+        blocks = rows // self.rows_per_block
+        distinct = np.unique(blocks)
+        if len(distinct) <= max(1, self.reserve):
+            return [np.arange(len(rows))]
+        order = np.argsort(blocks, kind="stable")
+        part_of = np.searchsorted(distinct, blocks[order]) // max(1, self.reserve)
+        return np.split(order, np.flatnonzero(np.diff(part_of)) + 1)
+
+    def scatter(self, rows: np.ndarray, values: Tensor) -> None:
+        """Write packed rows (distinct). Rows whose block host memory holds are written there
+        (the file gets them when the block is evicted); the others are patched into the file by
+        a background job (read, patch, write): a write-back never waits for a read."""
+        rows = np.asarray(rows, dtype=np.int64)
+        values = values.contiguous().view(torch.uint8).reshape(len(rows), self.row_bytes)
+        held = self.block_slot[rows // self.rows_per_block] >= 0
+        self.counts["dram_write_backs"] += len(rows)
+        self.counts["dram_write_misses"] += int((~held).sum())
+        if not held.all():
+            self._submit_patch(rows[~held], values[torch.from_numpy(~held)].clone())
+        slots, within, _ = self._resident(rows[held], None)
+        self._rows[torch.from_numpy(slots), torch.from_numpy(within)] = values[torch.from_numpy(held)]
+        self.dirty[slots] = True
+
+    def table(self) -> Tensor:
+        """Every row (``[rows, width]``), read back from the file after writing every dirty
+        block: what :meth:`flush` of the cache returns. Holds the whole table: for tests."""
+        self.write_dirty()
+        out = torch.empty(self.layout.rows, self.width, dtype=self.dtype)
+        per = 4096
+        for first in range(0, self.blocks, per):
+            blocks = np.arange(first, min(self.blocks, first + per))
+            staging = aligned_pages(len(blocks) * self.block_pages)
+            self.file.read(self._pages_of(blocks), staging)
+            view = self._block_rows(staging)
+            lo = first * self.rows_per_block
+            hi = min(self.layout.rows, lo + len(blocks) * self.rows_per_block)
+            out[lo:hi] = view.reshape(-1, self.row_bytes)[: hi - lo].view(self.dtype)
+        return out
+
+    def write_dirty(self) -> None:
+        """Every dirty block to the file (waits for the background jobs first)."""
+        self._drain()
+        slots = np.flatnonzero(self.dirty & (self.slot_block >= 0))
+        if len(slots):
+            self._write(self.slot_block[slots], slots)
+            self.dirty[slots] = False
+
+    def counters(self) -> dict[str, int]:
+        self._reap()
+        return {**self.counts, "nvme_read_ns": self._read_ns}
+
+    def close(self, remove: bool = True) -> None:
+        """Stop the background worker and close (and remove) the file; safe to call twice."""
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self.file.close()
+        if remove:
+            self.file.remove()
+
+    # -- host memory ---------------------------------------------------------------------------
+
+    def _issue(self) -> None:
+        """Issue queued announcements in order while their pins leave the reserve of host memory
+        (the first always goes: the batch planned next must not wait for room)."""
+        reserve = self.reserve
+        while self._queued:
+            number, blocks = self._queued[0]
+            slots = self.block_slot[blocks]
+            present = slots >= 0
+            more = int((~present).sum()) + int((self.pins[slots[present]] == 0).sum())
+            if self._pinned and int((self.pins > 0).sum()) + more > self.capacity - reserve:
+                return
+            self._queued.popleft()
+            missing = blocks[~present]
+            self._touch(slots[present])
+            np.add.at(self.pins, slots[present], 1)
+            if len(missing):
+                victims = self._evict(len(missing))
+                leaving = self._attach(missing, victims)
+                self.pins[victims] += 1
+                self.read_for[victims] = number
+                self._submit(number, leaving, missing, victims)
+                slots = self.block_slot[blocks]
+            self._pinned[number] = slots
+
+    def _evict(self, k: int) -> np.ndarray:
+        """``k`` unpinned slots, empty ones first then the least recently used; their dirty
+        blocks are written by the job that fills them (before it reads)."""
+        free = self.pins == 0
+        if int(free.sum()) < k:
+            raise RuntimeError(f"{self.path}: host memory holds {self.capacity:,} blocks, {int(free.sum()):,} of them "
+                               f"free of announced batches: {k:,} more do not fit (a batch touched more blocks than "
+                               "the profiled ones: raise dram_ratio)")
+        order = np.where(free, np.where(self.slot_block < 0, -1, self.last_use), np.iinfo(np.int64).max)
+        victims = np.argpartition(order, k - 1)[:k] if k < len(order) else np.arange(len(order))
+        return victims
+
+    def _attach(self, blocks: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``slots`` will hold ``blocks`` (not ready until they are read); returns the dirty
+        blocks that leave host memory, and their slots: they must be written before the read."""
+        old = self.slot_block[slots]
+        self.block_slot[old[old >= 0]] = -1
+        dirty = (old >= 0) & self.dirty[slots]
+        leaving = (old[dirty], slots[dirty])
+        self.slot_block[slots] = blocks
+        self.block_slot[blocks] = slots
+        self.ready[slots] = False
+        self.dirty[slots] = False
+        self._touch(slots)
+        return leaving
+
+    def _submit(self, number: int, leaving: tuple[np.ndarray, np.ndarray], blocks: np.ndarray,
+                slots: np.ndarray) -> None:
+        write_blocks, write_slots = leaving
+        self.counts["nvme_pages_written"] += len(write_blocks) * self.block_pages
+        self.counts["nvme_pages_read"] += len(blocks) * self.block_pages
+        self.filled_by[slots] = number
+        future = self._worker.submit(self._move_blocks, write_blocks, write_slots, blocks, slots)
+        self._jobs.append(_Job(number, slots, future))
+
+    def _submit_patch(self, rows: np.ndarray, values: Tensor) -> None:
+        """A background job writes ``rows`` into their blocks in the file (which host memory
+        does not hold). Later jobs run after it: a block read afterwards has the rows."""
+        blocks, where = np.unique(rows // self.rows_per_block, return_inverse=True)
+        pages = len(blocks) * self.block_pages
+        self.counts["nvme_pages_read"] += pages
+        self.counts["nvme_pages_written"] += pages
+        number = self._jobs[-1].number if self._jobs else -1  # waiting for it waits for no later batch
+        future = self._worker.submit(self._patch, blocks, where, rows % self.rows_per_block, values)
+        self._jobs.append(_Job(number, np.empty(0, np.int64), future))
+
+    def _patch(self, blocks: np.ndarray, where: np.ndarray, within: np.ndarray, values: Tensor) -> None:
+        """(On the worker.) Read ``blocks``, write the rows into them, write them back."""
+        staging = aligned_pages(len(blocks) * self.block_pages)
+        self.file.read(self._pages_of(blocks), staging)
+        self._block_rows(staging)[torch.from_numpy(where), torch.from_numpy(within)] = values
+        self.file.write(self._pages_of(blocks), staging)
+
+    def _move_blocks(self, write_blocks: np.ndarray, write_slots: np.ndarray, read_blocks: np.ndarray,
+                     read_slots: np.ndarray) -> None:
+        """(On the worker.) Dirty victims out, then the new blocks into their slots."""
+        if len(write_blocks):
+            self._write(write_blocks, write_slots)
+        started = time.perf_counter_ns()
+        self._read(read_blocks, read_slots)
+        self._read_ns += time.perf_counter_ns() - started
+
+    def _resident(self, rows: np.ndarray, number: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's slot and place in it, once its block is in host memory (waiting for
+        reads in flight, reading on demand what no announcement brought), and whether it came
+        from the drive for batch ``number`` (or on demand)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        blocks = rows // self.rows_per_block
+        slots = self.block_slot[blocks]
+        absent = slots < 0
+        on_demand = np.zeros(len(rows), bool)
+        if absent.any():
+            on_demand = absent
+            self._read_on_demand(np.unique(blocks[absent]))
+            slots = self.block_slot[blocks]
+        if not self.ready[slots].all():
+            self._wait_for(int(self.filled_by[slots[~self.ready[slots]]].max()))
+        self._touch(slots)
+        missed = on_demand if number is None else on_demand | (self.read_for[slots] == number)
+        return slots, rows % self.rows_per_block, missed
+
+    def _read_on_demand(self, blocks: np.ndarray) -> None:
+        started = time.perf_counter_ns()
+        self._drain()  # a block being evicted is written first; and no job fills a slot taken here
+        victims = self._evict(len(blocks))
+        write_blocks, write_slots = self._attach(blocks, victims)
+        if len(write_blocks):
+            self._write(write_blocks, write_slots)
+            self.counts["nvme_pages_written"] += len(write_blocks) * self.block_pages
+        self._read(blocks, victims)
+        self.ready[victims] = True
+        self.read_for[victims] = -1
+        self.counts["nvme_pages_read"] += len(blocks) * self.block_pages
+        self.counts["nvme_pages_read_on_demand"] += len(blocks) * self.block_pages
+        self.counts["stall_ns"] += time.perf_counter_ns() - started
+
+    def _wait_for(self, number: int) -> None:
+        """Wait for the jobs up to batch ``number``'s (the worker runs them in order)."""
+        started = time.perf_counter_ns()
+        waited = False
+        while self._jobs and self._jobs[0].number <= number:
+            waited |= not self._jobs[0].future.done()
+            self._reap_one()
+        self.counts["stall_ns"] += time.perf_counter_ns() - started
+        self.counts["prefetch_batches_waited"] += int(waited)
+
+    def _drain(self) -> None:
+        if self._jobs:
+            self._wait_for(self._jobs[-1].number)
+
+    def _reap(self) -> None:
+        while self._jobs and self._jobs[0].future.done():
+            self._reap_one()
+
+    def _reap_one(self) -> None:
+        job = self._jobs.popleft()
+        job.future.result()  # re-raises the worker's error (a full disk, an I/O error) here, naming the file
+        self.ready[job.slots[self.filled_by[job.slots] == job.number]] = True
+
+    def _touch(self, slots: np.ndarray) -> None:
+        self._clock += 1
+        self.last_use[slots] = self._clock
+
+    # -- bytes between the file and the slots ----------------------------------------------------
+
+    def _pages_of(self, blocks: np.ndarray) -> np.ndarray:
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if self.block_pages == 1:
+            return blocks
+        return (blocks[:, None] * self.block_pages + np.arange(self.block_pages)).reshape(-1)
+
+    def _block_rows(self, pages: np.ndarray) -> Tensor:
+        """A ``[blocks, rows per block, row bytes]`` view of a page buffer."""
+        return torch.from_numpy(pages).view(-1).as_strided(
+            (len(pages) // self.block_pages, self.rows_per_block, self.row_bytes), (self.block_bytes, self.row_bytes, 1))
+
+    def _slot_pages(self, slots: np.ndarray) -> np.ndarray:
+        return self._pages_of(slots)  # slots are laid out in host memory as blocks are in the file
+
+    def _read(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+        staging = aligned_pages(len(blocks) * self.block_pages)
+        self.file.read(self._pages_of(blocks), staging)
+        self.buffer[self._slot_pages(slots)] = staging
+
+    def _write(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+        staging = aligned_pages(len(blocks) * self.block_pages)
+        staging[:] = self.buffer[self._slot_pages(slots)]
+        self.file.write(self._pages_of(blocks), staging)
+
+
+#: Row files are named ``embbench-<pid>-rank<r>-<n>.rows`` (the n-th this process made).
+_PREFIX = "embbench-"
+_made = itertools.count()
+
+
+def _lock(file: PageFile) -> None:
+    """Hold an exclusive lock on the file while this process lives (the kernel drops it when
+    the process ends, however it ends): how the next run tells an abandoned file from a live one."""
+    fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _remove_if_abandoned(path: Path) -> bool:
+    """Remove a row file no live process holds; refuse (naming it) one another process holds."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"store_dir {path.parent}: {path.name} belongs to a run still going (it holds the file's "
+                         "lock): give each run and cell its own store_dir") from None
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)
+    return True
+
+
+def _serially(fill: Callable, jobs: list) -> None:
+    for job in jobs:
+        fill(job)

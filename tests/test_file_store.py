@@ -1,0 +1,197 @@
+"""freqcache with its rows in a file (store: file, issue 43): it trains exactly what the host
+table trains, in every row precision; its host memory, reads and stalls are counted; a store
+left by a killed run is removed, one a live run holds is refused; bad store settings are
+errors that name them."""
+
+import errno
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from pydantic import ValidationError
+
+from embbench.cache import FreqCache, FreqCacheParams
+from embbench.cache.file_rows import FileRows
+from embbench.data import SparseFeatures, TableSpec
+from embbench.disk.pagefile import PageFile
+from embbench.optim import EmbeddingOptimizer
+from embbench.row_precision import ROW_PRECISIONS
+from tests.conftest import tiny_scenario, train_and_flush
+from tests.test_freqcache import _context, _train
+
+
+def _batches(tables, steps, batch, seed, hot_share=0.5):
+    """Batches whose ids are half from a small hot set (cache hits) and half spread (misses)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        values = []
+        for t in tables:
+            n = batch * t.bag_size
+            hot = torch.randint(0, min(t.num_rows, 20), (n,), generator=g)
+            cold = torch.randint(0, t.num_rows, (n,), generator=g)
+            values.append(torch.where(torch.rand(n, generator=g) < hot_share, hot, cold))
+        lengths = torch.tensor([t.bag_size for t in tables for _ in range(batch)])
+        out.append(SparseFeatures(torch.cat(values), lengths, len(tables)))
+    return out
+
+
+def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
+    ctx = _context(tables, opt, batches)
+    ctx.row_precision = precision
+    common = dict(cache_ratio=0.01, lookahead=3, belady_steps=0)
+    memory = FreqCache(ctx, FreqCacheParams(**common))
+    file_params.setdefault("dram_ratio", 1.0)
+    on_file = FreqCache(ctx, FreqCacheParams(**common, store="file", store_dir=str(folder), **file_params))
+    return memory, on_file
+
+
+@settings(max_examples=8, deadline=None)
+@given(opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), dram_ratio=st.sampled_from([0.45, 0.7, 1.0]),
+       prefetch_depth=st.integers(0, 3), seed=st.integers(0, 1000), dim=st.sampled_from([4, 8, 40]),
+       precision=st.sampled_from(ROW_PRECISIONS))
+def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
+                                                                    precision):
+    per_page = 4096 // (4 * (dim + (opt_type == "rowwise_adagrad")))
+    tables = [TableSpec("a", 300 * per_page, dim, 2, 1.0), TableSpec("b", 150 * per_page, dim, 1, 1.0)]
+    batches = _batches(tables, 10, 16, seed)
+    opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
+        memory, on_file = _pair(tables, batches, opt, folder, precision, dram_ratio=dram_ratio)
+        expected = _train(memory, batches, prefetch=True, lookahead=prefetch_depth)
+        got = _train(on_file, batches, prefetch=True, lookahead=prefetch_depth)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert all(torch.equal(a, b) for a, b in zip(on_file.flush(), memory.flush()))
+        c = on_file.counters()
+        assert c["nvme_pages_read"] > 0 and c["dram_loads"] >= c["dram_load_misses"] > 0
+        assert c["nvme_pages_read_on_demand"] <= c["nvme_pages_read"]
+        assert on_file.memory().host_bytes < on_file.file_rows.layout.file_bytes or dram_ratio == 1.0
+        path = on_file.file_rows.path
+        on_file.file_rows.close()
+        assert not path.exists()
+
+
+@pytest.mark.parametrize("precision", [p if p == "fp32" else pytest.param(p, marks=pytest.mark.slow)
+                                       for p in ROW_PRECISIONS])
+def test_in_the_runner_a_file_store_trains_device_s_weights_in_every_row_precision(tmp_path, precision):
+    raw = tiny_scenario(run={"warmup_steps": 2, "steps": 4, "repeats": 2})
+    reference, _ = train_and_flush(raw, "device", tmp_path=tmp_path / "device", row_precision=precision)
+    store = tmp_path / "store"
+    store.mkdir()
+    weights, metrics = train_and_flush(raw, "freqcache", {"cache_ratio": 0.05, "store": "file", "store_dir": str(store),
+                                                         "dram_ratio": 1.0}, tmp_path=tmp_path / "file",
+                                       row_precision=precision)
+    for a, b in zip(weights, reference):
+        assert torch.equal(a, b), precision
+    assert metrics["extra"]["store"] == "file" and metrics["extra"]["store_direct"] is True
+    tiers = {t["tier"]: t for t in metrics["tiers"]}
+    assert list(tiers) == ["hbm", "dram", "nvme"]
+    steps = metrics["measured_steps"]
+    total = metrics["counters"]["total"]
+    assert tiers["nvme"]["pages_read_per_step"] == pytest.approx(total["nvme_pages_read"] / steps)
+    # the shares over all accesses add up: each distinct row of a batch is found in one tier
+    assert sum(t["hit_rate"] for t in tiers.values()) == pytest.approx(1.0)
+
+
+def test_host_memory_smaller_than_two_batches_is_refused_naming_the_ratio_needed(tmp_path):
+    tables = [TableSpec("a", 4000, 8, 2, 1.0)]
+    batches = _batches(tables, 4, 64, 0, hot_share=0.0)
+    with pytest.raises(ValueError, match=r"dram_ratio 0.01 holds 1 of the store's 32 blocks .* dram_ratio >= 1.00 is needed"):
+        _pair(tables, batches, EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path, dram_ratio=0.01)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"store": "file", "dram_ratio": 0}, "dram_ratio"),
+    ({"store": "file", "dram_ratio": 1.5}, "dram_ratio"),
+    ({"store": "file", "io_depth": 0}, "io_depth"),
+    ({"dram_ratio": 0.5}, "dram_ratio: only for store: file"),
+    ({"store_dir": "/tmp"}, "store_dir: only for store: file"),
+    ({"store": "disk"}, "store"),
+])
+def test_bad_store_parameters_are_errors_that_name_them(bad, message):
+    with pytest.raises(ValidationError, match=message):
+        FreqCacheParams(**bad)
+
+
+def test_a_store_dir_that_is_missing_or_a_file_is_named(tmp_path):
+    tables = [TableSpec("a", 4000, 8, 1, 1.0)]
+    batches = _batches(tables, 2, 8, 0)
+    opt = EmbeddingOptimizer(type="sgd", lr=0.1)
+    with pytest.raises(ValueError, match=f"store_dir {tmp_path / 'nope'}: does not exist"):
+        _pair(tables, batches, opt, tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        _pair(tables, batches, opt, tmp_path / "file")
+
+
+def test_a_killed_run_s_store_is_removed_and_a_live_one_refused(tmp_path):
+    abandoned = tmp_path / "embbench-999999-rank0-0.rows"
+    abandoned.write_bytes(b"\0" * 4096)  # no process holds its lock: a killed run's
+    live = tmp_path / "embbench-1-rank0-0.rows"
+    live.write_bytes(b"\0" * 4096)
+    tables = [TableSpec("a", 4000, 8, 1, 1.0)]
+    batches = _batches(tables, 2, 8, 0)
+    opt = EmbeddingOptimizer(type="sgd", lr=0.1)
+    holder = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running process holds it
+        with pytest.raises(ValueError, match=r"embbench-1-rank0-0.rows belongs to a run still going"):
+            _pair(tables, batches, opt, tmp_path)
+    finally:
+        os.close(holder)
+    _, on_file = _pair(tables, batches, opt, tmp_path)
+    assert not abandoned.exists() and not live.exists()
+    assert sorted(on_file.extra_metrics()["store_files_removed"]) == sorted([str(abandoned), str(live)])
+
+
+def test_a_full_disk_fails_the_step_naming_the_file(tmp_path, monkeypatch):
+    tables = [TableSpec("a", 60000, 8, 2, 1.0)]
+    batches = _batches(tables, 8, 32, 1, hot_share=0.0)
+    _, on_file = _pair(tables, batches, EmbeddingOptimizer(type="sgd", lr=0.5), tmp_path, dram_ratio=0.5)
+    path = on_file.file_rows.path
+
+    def full(self, pages, data):
+        raise OSError(errno.ENOSPC, f"no space left on /dev/x writing {self.path}")
+
+    monkeypatch.setattr(PageFile, "write", full)
+    with pytest.raises(OSError, match=f"no space left .* writing {path}"):
+        _train(on_file, batches, prefetch=True, lookahead=2)
+        on_file.flush()
+
+
+def test_reads_are_issued_batches_ahead_so_announced_batches_do_not_read_on_demand(tmp_path):
+    tables = [TableSpec("a", 100000, 8, 2, 1.0)]
+    batches = _batches(tables, 12, 32, 3, hot_share=0.0)
+    opt = EmbeddingOptimizer(type="sgd", lr=0.1)
+    _, ahead = _pair(tables, batches, opt, tmp_path, dram_ratio=0.5)
+    before = ahead.counters()["nvme_pages_read_on_demand"]  # the preload's
+    _train(ahead, batches, prefetch=True, lookahead=3)
+    after = ahead.counters()
+    # every training batch after the first was announced before it was planned: its loads
+    # found their blocks read (or in flight); only write-backs into absent blocks patch the file
+    assert after["nvme_pages_read_on_demand"] - before <= len(np.unique(batches[0].values.numpy() // ahead.file_rows.rows_per_block))
+    assert after["nvme_pages_read"] - after["nvme_pages_read_on_demand"] > 0  # the announcements' reads
+
+
+def test_a_table_larger_than_host_memory_never_holds_more_than_its_share(tmp_path):
+    rows = FileRows(tmp_path / "t.rows", 100_000, 10, torch.float32, dram_ratio=0.1, batch_blocks=40)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10))
+        assert rows.buffer.nbytes == rows.capacity * 4096 <= 0.1 * rows.layout.file_bytes + 4096
+        wanted = np.random.default_rng(0).choice(100_000, 5000, replace=False)
+        got = rows.gather(wanted)  # more blocks than host memory holds: read a part at a time
+        assert torch.equal(got[:, 0], torch.from_numpy(wanted).float())
+        rows.scatter(wanted[:10], torch.full((10, 10), -1.0))
+        rows.gather(np.arange(0, 100_000, 7))  # evicts every block: the dirty ones are written
+        assert rows.counters()["nvme_pages_written"] > 0
+        table = rows.table()
+        assert torch.equal(table[wanted[:10]], torch.full((10, 10), -1.0))
+        others = np.setdiff1d(np.arange(100_000), wanted[:10])
+        assert torch.equal(table[others, 0], torch.from_numpy(others).float())
+    finally:
+        rows.close()
