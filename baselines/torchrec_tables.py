@@ -23,13 +23,9 @@ import torch.distributed as dist
 from pydantic import Field
 from torch import Tensor
 
-from embbench.data.batch import SparseFeatures
-from embbench.data.presets import TableSpec
-from embbench.data.weights import fill_in_parallel
-from embbench.optim import EmbeddingOptimizer
-from embbench.row_precision import ROW_PRECISIONS, table_bytes
-from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams,
-                               Unsupported)
+from embbench.plugin import (ROW_PRECISIONS, BuildContext, EmbeddingOptimizer, MemoryFootprint, RuntimeEnv,
+                             SparseFeatures, SparseModule, Strategy, StrategyParams, TableSpec, Unsupported,
+                             fill_in_parallel, table_bytes)
 
 #: fbgemm's cache associativity on CUDA: the cache holds whole sets of this many rows.
 FBGEMM_CACHE_ASSOC = 32
