@@ -1,2 +1,2 @@
-"""Strategies other than the featured cache. Each is a plugin that uses only embbench's
-public interface (embbench.strategy, embbench.embedding), as a third party's would."""
+"""Strategies other than the featured cache. Each is a plugin that imports embbench only through
+its public interface, :mod:`embbench.plugin`, as a third party's would (tests/test_architecture.py)."""

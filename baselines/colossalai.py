@@ -55,10 +55,8 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.data.batch import SparseFeatures
-from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
-from embbench.sharding import TableWiseSharded
-from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
+from embbench.plugin import (BuildContext, MemoryFootprint, RowSpace, RowStore, SparseFeatures, SparseModule,
+                             Strategy, StrategyParams, TableWiseSharded, per_sample, pooled_lookup)
 
 __all__ = ["CacheTooSmall", "ColossalAICache", "ColossalAIParams", "ColossalAIStrategy"]
 

@@ -22,11 +22,9 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from embbench.data.batch import SparseFeatures
-from embbench.data.presets import TableSpec
-from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
-from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, Schedule, ScheduleContext, SparseModule,
-                               Strategy, StrategyParams)
+from embbench.plugin import (BuildContext, MemoryFootprint, RowSpace, RowStore, RuntimeEnv, Schedule, ScheduleContext,
+                             SparseFeatures, SparseModule, Strategy, StrategyParams, TableSpec, per_sample,
+                             pooled_lookup)
 
 __all__ = ["FaeParams", "FaePlan", "FaeStrategy", "HotColdTables", "plan_hot_cold"]
 

@@ -35,11 +35,8 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.data.batch import SparseFeatures
-from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup
-from embbench.sharding import TableWiseSharded
-from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy, StrategyParams
-from embbench.worker import BackgroundWorker
+from embbench.plugin import (BackgroundWorker, BuildContext, MemoryFootprint, RowSpace, RowStore, SparseFeatures,
+                             SparseModule, Strategy, StrategyParams, TableWiseSharded, per_sample, pooled_lookup)
 
 __all__ = ["MixCache", "SfctrParams", "SfctrStrategy"]
 

@@ -1,7 +1,7 @@
 """Whole tables in one place: ``device`` (the reference) and ``cpu`` (host lookups).
 
 ``device`` keeps every table, with its optimizer state, in one tensor over the global row
-space on the compute device and trains it with :func:`embbench.embedding.pooled_lookup`.
+space on the compute device and trains it with :func:`embbench.plugin.pooled_lookup`.
 ``cpu`` is the classic hybrid CPU-GPU baseline: the tables live in host memory inside
 fbgemm's CPU table-batched embedding kernel (the fast CPU path torchrec uses), ids and
 gradients go to the host, pooled embeddings come back, and the update is fbgemm's fused
@@ -14,14 +14,9 @@ import torch
 from torch import Tensor
 
 from baselines.torchrec_tables import FbgemmRowPrecision, fused_optimizer, sparse_type
-from embbench.data.batch import SparseFeatures
-from embbench.data.presets import TableSpec
-from embbench.data.weights import fill_in_parallel
-from embbench.embedding import RowSpace, per_sample, pooled_lookup, stored_rows, whole_store
-from embbench.optim import EmbeddingOptimizer
-from embbench.row_precision import ROW_PRECISIONS, table_bytes
-from embbench.sharding import TableWiseSharded
-from embbench.strategy import BuildContext, MemoryFootprint, SparseModule, Strategy
+from embbench.plugin import (ROW_PRECISIONS, BuildContext, EmbeddingOptimizer, MemoryFootprint, RowSpace,
+                             SparseFeatures, SparseModule, Strategy, TableSpec, TableWiseSharded, fill_in_parallel,
+                             per_sample, pooled_lookup, stored_rows, table_bytes, whole_store)
 
 _INIT_CHUNK = 1 << 20  # rows of initial weights written at a time: no second copy of a table
 

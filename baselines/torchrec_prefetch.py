@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from embbench.data.batch import SparseFeatures
+from embbench.plugin import SparseFeatures
 
 __all__ = ["PrefetchPipeline"]
 

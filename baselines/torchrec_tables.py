@@ -23,13 +23,9 @@ import torch.distributed as dist
 from pydantic import Field
 from torch import Tensor
 
-from embbench.data.batch import SparseFeatures
-from embbench.data.presets import TableSpec
-from embbench.data.weights import fill_in_parallel
-from embbench.optim import EmbeddingOptimizer
-from embbench.row_precision import ROW_PRECISIONS, table_bytes
-from embbench.strategy import (BuildContext, MemoryFootprint, RuntimeEnv, SparseModule, Strategy, StrategyParams,
-                               Unsupported)
+from embbench.plugin import (ROW_PRECISIONS, BuildContext, EmbeddingOptimizer, MemoryFootprint, RuntimeEnv,
+                             SparseFeatures, SparseModule, Strategy, StrategyParams, TableSpec, Unsupported,
+                             fill_in_parallel, table_bytes)
 
 #: fbgemm's cache associativity on CUDA: the cache holds whole sets of this many rows.
 FBGEMM_CACHE_ASSOC = 32
@@ -212,8 +208,6 @@ def fbgemm_cpu_refusal(precision: str) -> str | None:
     or None. fbgemm's CPU update rounds to nearest (its ``stochastic_rounding`` is CUDA's)."""
     if precision == "fp32":
         return None
-    from importlib.metadata import version
-
     from baselines._fbgemm import ComputeDevice, EmbeddingLocation, PoolingMode, SparseType, \
         SplitTableBatchedEmbeddingBagsCodegen
 
@@ -225,9 +219,15 @@ def fbgemm_cpu_refusal(precision: str) -> str | None:
         tbe(torch.tensor([0, 1]), torch.tensor([0, 2])).sum().backward()
     except Exception as e:  # NotImplementedError for the types it has no kernel for
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        package = next((f"{p} {version(p)}" for p in ("fbgemm-gpu-cpu", "fbgemm-gpu") if _installed(p)), "fbgemm")
-        return f"row_precision {precision}: {package}'s CPU kernels cannot train {FBGEMM_PRECISION[precision]} rows ({first})"
+        return f"row_precision {precision}: {fbgemm_package()}'s CPU kernels cannot train {FBGEMM_PRECISION[precision]} rows ({first})"
     return None
+
+
+def fbgemm_package() -> str:
+    """The installed fbgemm distribution with its version (``fbgemm-gpu-cpu 1.8.0``)."""
+    from importlib.metadata import version
+
+    return next((f"{p} {version(p)}" for p in ("fbgemm-gpu-cpu", "fbgemm-gpu") if _installed(p)), "fbgemm")
 
 
 def _installed(package: str) -> bool:

@@ -14,7 +14,6 @@ import signal
 import sys
 import tempfile
 import time
-import typing
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from embbench.progress import RunProgress
 from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, profile_tables
 from embbench.results import RUN_CURVE, RecordError, by_scenario, load_records, run_directory_lock, scenario_differences
 from embbench.scenario import ScenarioError, load_scenario
-from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies
+from embbench.strategy import RuntimeEnv, Unsupported, broken_strategies, load_strategies, parameter_type
 from embbench.table_view import View, column_names
 from embbench.torchrun_job import run_cells_in_job, torchrun_ranks
 
@@ -442,12 +441,6 @@ def _policies(text: str) -> list[str]:
     return [p for p in POLICIES if p in names]
 
 
-def _type_name(annotation) -> str:
-    if typing.get_origin(annotation) is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(annotation))
-    return getattr(annotation, "__name__", str(annotation))
-
-
 def cmd_strategies(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = Table(title=f"installed strategies (this machine: {device})", header_style="bold", show_lines=True)
@@ -455,7 +448,7 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         table.add_column(col)
     for name, cls in load_strategies().items():
         params = Text("\n").join(
-            Text.assemble(f"{key}: {_type_name(f.annotation)} = {f.default!r}",
+            Text.assemble(f"{key}: {parameter_type(f.annotation)} = {f.default!r}",
                           (f"  {f.description}" if f.description else "", "dim"))
             for key, f in cls.Params.model_fields.items()
         ) or "-"

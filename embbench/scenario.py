@@ -50,7 +50,7 @@ class DriftConfig(_Strict):
 
 # The keys that belong to one data source only (the others must be left out).
 _SOURCE_KEYS = {
-    "synthetic": {"preset", "tables", "scale", "alpha", "drift"},
+    "synthetic": {"preset", "tables", "scale", "min_rows_per_table", "alpha", "drift"},
     "criteo_tsv": {"path", "format", "eval", "hash_size", "min_count", "epochs"},
     "trace": {"path", "epochs"},
 }
@@ -81,6 +81,9 @@ class DataConfig(_Strict):
     tables: list[TableConfig] | None = Field(
         None, min_length=1, description="the tables themselves (rows, alpha, bag_size each), in place of the preset")
     scale: float = Field(1.0, gt=0, le=1, description="multiplies every table's cardinality")
+    min_rows_per_table: int = Field(
+        1, ge=1, description="rows a table keeps however small the scale, never more than its own cardinality: "
+                             "a scaled table stays larger than what one batch touches (1: the scale alone)")
     alpha: float | list[float] = Field(1.15, description="Zipf exponent of id popularity, or one per table")
     drift: DriftConfig | None = Field(None, description="which ids are hot changes every N batches")
     # criteo_tsv and trace

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 import inspect
+import types
+import typing
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from importlib.metadata import entry_points
-from typing import Any, Callable, ClassVar, Iterator, Literal
+from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Union
 
 import torch
 from torch import Tensor
@@ -32,8 +34,7 @@ from embbench.row_precision import ROW_PRECISIONS
 __all__ = [
     "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
     "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "broken_strategies", "estimate_kwargs",
-    "get_strategy",
-    "load_strategies", "strategy_version",
+    "get_strategy", "load_strategies", "parameter_type", "strategy_version",
 ]
 
 #: Counter names every strategy reports (cumulative since build; absent ones count as 0).
@@ -80,6 +81,23 @@ class StrategyParams(Config):
 
 class NoParams(StrategyParams):
     pass
+
+
+def parameter_type(annotation: Any) -> str:
+    """A parameter's type as a person reads it in ``embbench strategies``: ``int | 'auto'``,
+    ``'static' | 'lfu'``, ``list[float]`` (constraints such as ``ge=0`` are left out)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return parameter_type(args[0])
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is Union or origin is types.UnionType:
+        return " | ".join(parameter_type(a) for a in args)
+    if annotation is None or annotation is type(None):
+        return "None"
+    if origin is not None:
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(parameter_type(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
 
 
 @dataclass(frozen=True)

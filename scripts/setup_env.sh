@@ -7,7 +7,8 @@
 #      torch's build: PyPI's torch 2.11 is a CUDA build, and the CUDA fbgemm it would pull
 #      fails to import without the driver's libnvidia-ml.so.1;
 #   3. torchrec of the same release, --no-deps so that it cannot pull the CUDA fbgemm;
-#   4. embbench itself (editable) with its remaining dependencies and the test tools.
+#   4. embbench itself (editable) with its remaining dependencies and the test tools, and the
+#      example strategy plugin examples/embbench-plugin-example (editable: the tests run it).
 # Each step prints a line saying what it installs; pip's own download lines follow.
 # Idempotent: a stamp skips the work when nothing that shapes the environment changed.
 set -euo pipefail
@@ -23,7 +24,8 @@ has_nvidia_driver() {
 if has_nvidia_driver; then fbgemm=fbgemm-gpu; driver="an NVIDIA driver"; else fbgemm=fbgemm-gpu-cpu; driver="no NVIDIA driver"; fi
 
 stamp_file="$venv/.embbench-setup"
-stamp="$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $torch_spec $fbgemm"
+example_plugin="$root/examples/embbench-plugin-example"
+stamp="$(cat "$root/pyproject.toml" "$example_plugin/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $torch_spec $fbgemm"
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
     exit 0
 fi
@@ -78,14 +80,17 @@ step 4 "installing torchrec $release.* (--no-deps: it cannot pull the CUDA fbgem
 pip_shown --no-deps "torchrec==$release.*"
 # pip's resolver complains that torchrec wants fbgemm-gpu: fbgemm-gpu-cpu provides it on a CPU machine.
 step 5 "installing embbench (editable) with its dependencies and the test tools"
-pip_shown -e "$root[test]" "torch==$torch_version"
+pip_shown -e "$root[test]" "torch==$torch_version" "setuptools>=68"
+# as a user installs a plugin; --no-deps --no-build-isolation: it needs nothing the step above did not bring
+echo "setup_env: [5/5] installing the example plugin $example_plugin (editable)" >&2
+pip_shown --no-deps --no-build-isolation -e "$example_plugin"
 # A CPU build of torch brings no triton: the tests run freqcache's Triton kernels in its interpreter.
 if [ "$torch_flavour" = cpu ] && ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
     echo "setup_env: [5/5] installing triton (about 0.3 GB): the tests run the Triton kernels in its interpreter" >&2
     pip_shown "triton>=3.7" "torch==$torch_version"
 fi
 
-"$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, embbench, rich, yaml, pydantic, pytest, hypothesis, pytest_benchmark, selenium" \
+"$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, embbench, hot_copy_example, rich, yaml, pydantic, pytest, hypothesis, pytest_benchmark, selenium" \
     || { echo "setup_env: the environment does not import; see the errors above" >&2; exit 1; }
 echo "$stamp" > "$stamp_file"
 echo "setup_env: done: $venv (torch $torch_version, $fbgemm $release.*, torchrec $release.*)" >&2

@@ -135,3 +135,44 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
     assert find_cycle(graph) == ["embbench.c", "embbench.a", "embbench.b", "embbench.c"]  # reached from baselines.d
     assert _describe(find_cycle(graph), graph) == \
         "embbench.c (line 4) -> embbench.a (line 1) -> embbench.b (line 2) -> embbench.c"
+
+
+def embbench_imports_outside_the_plugin_interface(root: Path = ROOT) -> list[str]:
+    """``module (line n): name`` for every import by a module of baselines/ of embbench other
+    than :mod:`embbench.plugin`'s public names."""
+    import embbench.plugin
+
+    public = {"embbench.plugin", *(f"embbench.plugin.{name}" for name in embbench.plugin.__all__)}
+    found = []
+    for module, path in _modules(root).items():
+        if module.startswith("baselines"):
+            found += [f"{module} (line {line}): {name}" for name, line in _imported_names(module, path).items()
+                      if (name == "embbench" or name.startswith("embbench.")) and name not in public]
+    return sorted(found)
+
+
+def test_baselines_use_only_the_public_plugin_interface():
+    """DESIGN.md: baselines/ uses exactly the public interface a third party would use."""
+    assert embbench_imports_outside_the_plugin_interface() == []
+
+
+def test_the_plugin_check_finds_an_import_from_embbench_s_inside(tmp_path):
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "embbench").mkdir()
+    (tmp_path / "baselines" / "mine.py").write_text(
+        "from embbench.plugin import Strategy\nfrom embbench.plugin import not_public\n"
+        "def f():\n    from embbench.embedding import RowStore\n")
+    assert embbench_imports_outside_the_plugin_interface(tmp_path) == [
+        "baselines.mine (line 2): embbench.plugin.not_public",
+        "baselines.mine (line 4): embbench.embedding", "baselines.mine (line 4): embbench.embedding.RowStore"]
+
+
+def test_every_public_plugin_name_is_documented():
+    """Each name of embbench.plugin has its own docstring and is listed in the module's."""
+    import embbench.plugin
+
+    for name in embbench.plugin.__all__:
+        value = getattr(embbench.plugin, name)
+        assert name in embbench.plugin.__doc__, f"embbench.plugin's docstring does not list {name}"
+        if callable(value):
+            assert (value.__doc__ or "").strip(), f"embbench.plugin.{name} has no docstring"

@@ -105,3 +105,14 @@ def test_parallel_fills_run_every_job_once_and_raise_a_job_s_error():
 
     with pytest.raises(ValueError, match="job 7"):
         fill_in_parallel(fail, range(10), workers=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 10**9), scale=st.floats(1e-9, 1.0), floor=st.integers(1, 10**6))
+def test_a_scaled_table_keeps_the_floor_within_its_own_cardinality(rows, scale, floor):
+    from embbench.data.presets import scaled_rows
+
+    n = scaled_rows(rows, scale, floor)
+    assert 1 <= n <= rows
+    assert n >= min(rows, floor) and n >= int(rows * scale)
+    assert scaled_rows(rows, scale) == max(1, int(rows * scale))  # no floor: the scale alone

@@ -81,3 +81,56 @@ def test_a_scenario_may_name_its_tables_instead_of_a_preset():
     assert [(t.num_rows, t.alpha, t.bag_size, t.dim) for t in tables] == [(500, 1.05, 1, 8), (25, 0.9, 3, 8)]
     batch = scenario.data_source("cpu").batch(0, 0, 4)
     assert batch.sparse.num_tables == 2 and batch.sparse.values.numel() == 4 + 12
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"min_rows_per_table": 0}, "data.min_rows_per_table: Input should be greater than or equal to 1"),
+    ({"min_rows_per_table": True}, "data.min_rows_per_table"),
+    ({"min_rows_per_table": 2.5}, "data.min_rows_per_table"),
+    ({"min_rows_per_table": 64, "source": "trace", "path": "t.npz", "scale": 1.0},
+     "data.min_rows_per_table: only for source synthetic"),
+])
+def test_the_floor_on_rows_per_table_is_validated(tmp_path, data, key):
+    raw = tiny_scenario(data=data)
+    path = _write(tmp_path, raw)
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(path)
+    assert str(path) in str(err.value) and key in str(err.value)
+
+
+def test_the_floor_keeps_scaled_tables_and_leaves_small_ones_their_size():
+    plain, _ = parse_scenario(tiny_scenario(), "test")
+    floored, _ = parse_scenario(tiny_scenario(data={"min_rows_per_table": 100}), "test")
+    named, _ = parse_scenario(tiny_scenario(data={"tables": [{"rows": 50}, {"rows": 10**6}], "min_rows_per_table": 100}),
+                              "test")
+    from embbench.data.presets import PRESETS
+
+    full = PRESETS["criteo_kaggle"][0]
+    rows = [t.num_rows for t in floored.tables()]
+    assert rows == [min(n, max(100, t.num_rows)) for n, t in zip(full, plain.tables())]
+    assert rows[8] == 3 and min(rows[2], rows[3]) > 100  # a 3-row feature stays 3; large ones scale
+    assert [t.num_rows for t in named.tables()] == [50, 200]  # scale 0.0002 of a million: above the floor
+
+
+def test_the_smoke_tables_are_larger_than_one_batch_s_distinct_rows():
+    """Issue 41: at scale 0.001, 16 of the smoke's 26 tables had 1-5 rows, every one always hit.
+    A table scaled below its own cardinality now holds more rows than the first training batches
+    ever put on it, and the floor that makes it so is said in the scenario."""
+    from embbench.data import Stream, SyntheticCriteo
+    from embbench.data.presets import PRESETS
+
+    scenario, _ = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "smoke.yaml")
+    data, tables = scenario.data, scenario.tables()
+    assert data.min_rows_per_table >= data.batch_size
+    generator = SyntheticCriteo(tables, seed=scenario.run.seed)
+    distinct = [0] * len(tables)
+    for index in range(8):
+        features = generator.batch(Stream.TRAIN, index, data.batch_size).sparse
+        table_of_id = features.table_of_each_id()
+        for t in range(len(tables)):
+            distinct[t] = max(distinct[t], features.values[table_of_id == t].unique().numel())
+    for t, (table, full) in enumerate(zip(tables, PRESETS[data.preset][0])):
+        if table.num_rows < full:
+            assert table.num_rows >= data.min_rows_per_table and table.num_rows > 2 * distinct[t], (t, table, distinct[t])
+        else:
+            assert table.num_rows == full

@@ -65,3 +65,10 @@ def test_a_driver_gets_the_cuda_fbgemm_and_each_step_says_what_it_installs(tmp_p
                  "[5/5] installing embbench"):
         assert step in log, log
     assert "Downloading a-wheel.whl (10 MB)" in log and "Requirement already satisfied" not in log
+
+
+def test_the_example_plugin_is_installed_editable_as_a_user_installs_one(tmp_path):
+    log, calls = _setup(tmp_path, driver=False)
+    example = ROOT / "examples" / "embbench-plugin-example"
+    assert any(c.endswith(f"--no-deps --no-build-isolation -e {example}") for c in calls), calls
+    assert f"[5/5] installing the example plugin {example}" in log

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PRESETS", "RENAMED_PRESETS", "TableSpec", "NUM_DENSE_FEATURES", "make_tables"]
+__all__ = ["PRESETS", "RENAMED_PRESETS", "TableSpec", "NUM_DENSE_FEATURES", "make_tables", "scaled_rows"]
 
 NUM_DENSE_FEATURES = 13
 
@@ -64,8 +64,17 @@ class TableSpec:
         return self.num_rows * self.dim * 4
 
 
-def make_tables(preset: str, dim: int, scale: float = 1.0, alpha: float | list[float] = 1.15) -> list[TableSpec]:
-    """The preset's tables, with cardinalities multiplied by ``scale`` (at least one row).
+def scaled_rows(rows: int, scale: float, min_rows: int = 1) -> int:
+    """A table of ``rows`` rows at ``scale``: at least ``min_rows`` (and one), at most ``rows``.
+
+    The floor keeps a scaled-down table from degenerating into a few rows that every batch
+    hits; a table that is small in the full data (Criteo's 3-row feature) keeps its own size."""
+    return min(rows, max(1, min_rows, int(rows * scale)))
+
+
+def make_tables(preset: str, dim: int, scale: float = 1.0, alpha: float | list[float] = 1.15,
+                min_rows: int = 1) -> list[TableSpec]:
+    """The preset's tables, with cardinalities multiplied by ``scale`` (:func:`scaled_rows`).
 
     ``alpha`` is one Zipf exponent for every table or a list with one per table.
     """
@@ -74,6 +83,6 @@ def make_tables(preset: str, dim: int, scale: float = 1.0, alpha: float | list[f
     if len(alphas) != len(rows):
         raise ValueError(f"alpha: {len(alphas)} values for the {len(rows)} tables of preset {preset}")
     return [
-        TableSpec(f"t{i}", max(1, int(n * scale)), dim, bag, a)
+        TableSpec(f"t{i}", scaled_rows(n, scale, min_rows), dim, bag, a)
         for i, (n, bag, a) in enumerate(zip(rows, bags, alphas))
     ]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from embbench.data.criteo import NUM_TABLES, CriteoDataset, CriteoSource, Progress, input_files, prepare_dataset
-from embbench.data.presets import TableSpec, make_tables
+from embbench.data.presets import TableSpec, make_tables, scaled_rows
 from embbench.data.synthetic import Stream, SyntheticCriteo
 from embbench.data.trace import Trace, TraceSource
 
@@ -91,10 +91,10 @@ def source_tables(data: "DataConfig") -> list[TableSpec]:
     """The tables of a scenario's data: a preset's or those it names, or those the files or the trace hold."""
     dim = data.embedding_dim
     if data.source == "synthetic" and data.tables is not None:  # named tables (data.alpha is then one value)
-        return [TableSpec(f"t{i}", max(1, int(t.rows * data.scale)), dim, t.bag_size,
+        return [TableSpec(f"t{i}", scaled_rows(t.rows, data.scale, data.min_rows_per_table), dim, t.bag_size,
                           data.alpha if t.alpha is None else t.alpha) for i, t in enumerate(data.tables)]
     if data.source == "synthetic":
-        return make_tables(data.preset, dim, data.scale, data.alpha)
+        return make_tables(data.preset, dim, data.scale, data.alpha, data.min_rows_per_table)
     if data.source == "criteo_tsv":
         ds = criteo_dataset(data)
         return [TableSpec(f"t{i}", n, dim, 1, a) for i, (n, a) in enumerate(zip(ds.cardinalities, ds.alphas))]
