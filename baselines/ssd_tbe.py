@@ -89,7 +89,7 @@ class SsdTables(SparseModule):
         if any(t.dim != dim for t in ctx.tables) or dim % 4:
             raise Unsupported("fbgemm's SSD TBE stores rows of one width, a multiple of 4 (embedding_dim)")
         # RocksDB's own folder, removed with the module: a store_dir given, else the cell's work folder
-        base = params.store_dir or getattr(ctx, "work_dir", None)  # BuildContext.work_dir: the cell's folder
+        base = params.store_dir or ctx.work_dir  # the cell's own folder, which the harness removes
         self.folder = tempfile.TemporaryDirectory(dir=base, prefix=f"ssd_tbe-rank{ctx.env.rank}-")
         num_rows = sum(t.num_rows for t in ctx.tables)
         self.tbe = SSDTableBatchedEmbeddingBags(
