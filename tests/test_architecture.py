@@ -8,6 +8,7 @@ do not (they never run, and only name types in annotations).
 
 from __future__ import annotations
 
+import argparse
 import ast
 from pathlib import Path
 
@@ -135,3 +136,27 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
     assert find_cycle(graph) == ["embbench.c", "embbench.a", "embbench.b", "embbench.c"]  # reached from baselines.d
     assert _describe(find_cycle(graph), graph) == \
         "embbench.c (line 4) -> embbench.a (line 1) -> embbench.b (line 2) -> embbench.c"
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    """``(words, function)`` for every command a parser reaches, sub-subcommands included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if sub.get_default("func") is None:
+                    yield from _commands(sub, prefix + (name,))
+                else:
+                    yield prefix + (name,), sub.get_default("func")
+
+
+def test_each_command_lives_in_its_own_module_of_the_cli_package():
+    """``embbench X ...`` is parsed and run by ``embbench/cli/X.py`` (its ``register`` and its
+    ``main``), not by one file holding every command."""
+    from embbench.cli import build_parser
+
+    found = dict(_commands(build_parser()))
+    assert ("run",) in found and ("data", "prepare") in found and ("trace", "record") in found
+    for words, func in found.items():
+        module = "embbench.cli." + words[0]
+        assert func.__module__ == module, f"embbench {' '.join(words)} runs {func.__module__}.{func.__name__}, not {module}"
+        assert (ROOT / "embbench" / "cli" / f"{words[0]}.py").is_file()
