@@ -52,7 +52,7 @@ def prepare_data(path: str, scenario, cache_dir: Path, verify: bool = False,
     cell starts (a malformed or too short file, or a damaged cache entry that cannot be
     rebuilt, stops the run here, with nothing run). ``verify`` hashes every entry;
     ``batches``: the training and evaluation batches a command other than ``run`` reads."""
-    from embbench.data.criteo import DataCacheError
+    from embbench.data.cache import DataCacheError
     from embbench.data.sources import CACHE_ENV, check_rows, criteo_dataset, stream_rows
 
     os.environ[CACHE_ENV] = str(cache_dir.resolve())
