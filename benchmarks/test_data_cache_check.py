@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embbench.data import criteo
+from embbench.data import cache, criteo
 
 ROWS = int(os.environ.get("EMBBENCH_BENCH_ROWS", 4_584_062))
 CHUNK = 1 << 20
@@ -48,19 +48,19 @@ def entries(tmp_path_factory):
     _write(dataset / "ids-x.npy", np.int32, (26,), lambda r: (r[:, None] * 40503 + tables) % 100_000)
     (dataset / "meta.json").write_text(json.dumps({"rows": {"x": ROWS}, "cardinalities": [100_000] * 26}))
     for directory in (files, dataset):
-        criteo._write_manifest(directory)
+        cache.write_manifest(directory)
     return files, dataset
 
 
 def _check(entries, full: bool) -> None:
     files, dataset = entries
-    criteo._check_entry(files, criteo._file_layout, criteo._check_file_values, full)
-    criteo._check_entry(dataset, criteo._dataset_layout, criteo._dataset_values, full)
+    cache.check_entry(files, criteo._file_layout, criteo._check_file_values, full)
+    cache.check_entry(dataset, criteo._dataset_layout, criteo._dataset_values, full)
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["cheap", "full"])
 def test_check_entries(benchmark, entries, full, monkeypatch):
-    monkeypatch.setattr(criteo, "FULL_CHECK_BYTES", 0)  # however small: cheap unless asked
+    monkeypatch.setattr(cache, "FULL_CHECK_BYTES", 0)  # however small: cheap unless asked
     gigabytes = sum(p.stat().st_size for d in entries for p in d.iterdir()) / 1e9
     _check(entries, full)  # warm the page cache
     benchmark.extra_info.update(rows=ROWS, gigabytes=gigabytes)
@@ -71,4 +71,4 @@ def test_hash_only(benchmark, entries):
     files, dataset = entries
     paths = [p for d in entries for p in d.iterdir() if p.suffix == ".npy"]
     benchmark.extra_info.update(gigabytes=sum(p.stat().st_size for p in paths) / 1e9)
-    benchmark.pedantic(lambda: [criteo._digest(p) for p in paths], rounds=3)
+    benchmark.pedantic(lambda: [cache.digest(p) for p in paths], rounds=3)

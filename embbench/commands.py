@@ -14,13 +14,15 @@ __all__ = ["command", "effective_flags", "program", "run_command"]
 
 def program() -> list[str]:
     """embbench as the user started it: the console script as typed (``.venv/bin/embbench``),
-    or this interpreter with ``-m embbench.cli``; plain ``embbench`` when started otherwise
-    (from Python, as the tests do)."""
+    or this interpreter with ``-m embbench.cli`` or ``-m embbench``; plain ``embbench`` when
+    started otherwise (from Python, as the tests do)."""
     typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
     if Path(typed).name == "embbench":
         return [typed]
-    if typed and Path(typed).resolve() == Path(__file__).with_name("cli.py").resolve():
-        return [sys.executable, "-m", "embbench.cli"]
+    here = Path(__file__).parent
+    for module, main in (("embbench.cli", here / "cli" / "__main__.py"), ("embbench", here / "__main__.py")):
+        if typed and Path(typed).resolve() == main.resolve():
+            return [sys.executable, "-m", module]
     return ["embbench"]
 
 

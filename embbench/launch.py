@@ -39,7 +39,7 @@ import torch
 from pydantic import ValidationError
 
 from embbench import cell_process
-from embbench.data.criteo import pid_alive
+from embbench.data.cache import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status, load_records, provenance, read_record,

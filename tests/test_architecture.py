@@ -8,6 +8,7 @@ do not (they never run, and only name types in annotations).
 
 from __future__ import annotations
 
+import argparse
 import ast
 from pathlib import Path
 
@@ -176,3 +177,27 @@ def test_every_public_plugin_name_is_documented():
         assert name in embbench.plugin.__doc__, f"embbench.plugin's docstring does not list {name}"
         if callable(value):
             assert (value.__doc__ or "").strip(), f"embbench.plugin.{name} has no docstring"
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    """``(words, function)`` for every command a parser reaches, sub-subcommands included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if sub.get_default("func") is None:
+                    yield from _commands(sub, prefix + (name,))
+                else:
+                    yield prefix + (name,), sub.get_default("func")
+
+
+def test_each_command_lives_in_its_own_module_of_the_cli_package():
+    """``embbench X ...`` is parsed and run by ``embbench/cli/X.py`` (its ``register`` and its
+    ``main``), not by one file holding every command."""
+    from embbench.cli import build_parser
+
+    found = dict(_commands(build_parser()))
+    assert ("run",) in found and ("data", "prepare") in found and ("trace", "record") in found
+    for words, func in found.items():
+        module = "embbench.cli." + words[0]
+        assert func.__module__ == module, f"embbench {' '.join(words)} runs {func.__module__}.{func.__name__}, not {module}"
+        assert (ROOT / "embbench" / "cli" / f"{words[0]}.py").is_file()

@@ -19,6 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from embbench.data import cache as data_cache
 from embbench.data import criteo
 from embbench.data.criteo import prepare_dataset
 from embbench.data.fake_criteo import write_fake_criteo
@@ -123,7 +124,7 @@ def test_any_damaged_file_of_an_entry_is_rebuilt_or_refused_by_name(pristine, da
 
 def test_the_cheap_checks_of_a_large_entry_and_what_only_hashing_finds(pristine, tmp_path, monkeypatch):
     source, clean = pristine
-    monkeypatch.setattr(criteo, "FULL_CHECK_BYTES", 0, raising=False)  # every entry counts as large
+    monkeypatch.setattr(data_cache, "FULL_CHECK_BYTES", 0)  # every entry counts as large
     cache = tmp_path / "cache"
     shutil.copytree(clean, cache)
     labels = next(cache.glob("files/*/labels.npy"))
@@ -187,7 +188,7 @@ def test_temporary_folders_of_dead_processes_go_and_live_ones_stay(pristine, tmp
         entry = next(cache.glob("files/*")).name
         left = {  # as a killed `data prepare` leaves them (a 30 MB file leaves 178 MB)
             "dead": cache / "files" / f".{entry}.tmp-{dead.pid}-0123abcd",
-            "dead_damaged": cache / "datasets" / f".x.damaged-{dead.pid}-0123abcd-{criteo._HOST}",
+            "dead_damaged": cache / "datasets" / f".x.damaged-{dead.pid}-0123abcd-{data_cache.HOST}",
             "live": cache / "files" / f".{entry}.tmp-{live.pid}-89abcdef",
             "other_host": cache / "files" / f".{entry}.tmp-{dead.pid}-89abcdef-another.host",
         }
@@ -285,3 +286,45 @@ def test_a_file_name_changed_in_the_manifest_names_the_manifest(pristine, tmp_pa
     manifest.write_text(manifest.read_text().replace('"meta.json"', '"meta.jsoo"', 1))
     ds, said = _prepare(source, cache)
     assert f"note: data cache entry {manifest.parent}: " in said and "manifest.json" in said and "rebuilding it" in said, said
+
+
+# --- the machinery on its own (embbench/data/cache.py): any content, not only Criteo's ---------
+
+
+def _plain_entry(final: Path, built: list, fill_error: Exception | None = None) -> dict:
+    """An entry of one array and its meta through :func:`embbench.data.cache.cache_entry`."""
+
+    def fill(tmp: Path) -> None:
+        built.append(tmp.name)
+        np.save(tmp / "values.npy", np.arange(10, dtype=np.int32))
+        if fill_error is not None:
+            raise fill_error
+        (tmp / "meta.json").write_text('{"rows": 10}')
+
+    def check(directory: Path, full: bool) -> dict:
+        return data_cache.check_entry(directory, lambda meta: {"values.npy": (np.int32, (meta["rows"],))},
+                                      lambda directory, meta, full: None, full)
+
+    return data_cache.cache_entry(final, fill, check, verify=True)
+
+
+def test_an_entry_of_any_content_is_built_once_checked_at_each_open_and_rebuilt_when_damaged(tmp_path, capsys):
+    final, built = tmp_path / "entries" / "plain", []
+    assert _plain_entry(final, built) == {"rows": 10} and len(built) == 1
+    assert sorted(p.name for p in final.iterdir()) == [data_cache.MANIFEST, "meta.json", "values.npy"]
+    assert _plain_entry(final, built) == {"rows": 10} and len(built) == 1  # opened, checked, not built again
+    raw = bytearray((final / "values.npy").read_bytes())
+    raw[-1] ^= 1  # one bit of the data, the size unchanged: only the content hash sees it
+    (final / "values.npy").write_bytes(bytes(raw))
+    assert _plain_entry(final, built) == {"rows": 10} and len(built) == 2
+    assert f"note: data cache entry {final}: values.npy does not match its content hash" in capsys.readouterr().err
+    assert np.load(final / "values.npy").tolist() == list(range(10))
+    assert sorted(p.name for p in final.parent.iterdir()) == ["plain"]  # no work folder left behind
+
+
+def test_a_build_that_fails_leaves_neither_an_entry_nor_its_work_folder(tmp_path):
+    final, built = tmp_path / "entries" / "plain", []
+    with pytest.raises(RuntimeError, match="stopped"):
+        _plain_entry(final, built, RuntimeError("stopped"))
+    assert built and built[0].startswith(".plain.tmp-")  # it was built in a work folder beside the entry
+    assert list(final.parent.iterdir()) == []

@@ -109,7 +109,7 @@ def _recommend_example(tmp_path: Path, monkeypatch, capsys) -> str:
     ]
     monkeypatch.chdir(tmp_path)
     write_run(Path("results/runs/smoke"), records)
-    monkeypatch.setattr(cli, "console", Console(width=120, color_system=None, emoji=False))
+    monkeypatch.setattr(cli.recommend, "console", Console(width=120, color_system=None, emoji=False))
     argv = ["recommend", "results/runs/smoke", "--device-memory", "1MiB"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out

@@ -392,7 +392,7 @@ def test_data_prepare_on_a_full_disk_names_the_entry(tmp_path, capsys, monkeypat
 
     import yaml
 
-    import embbench.data.criteo as criteo
+    import embbench.data.cache as data_cache
     from embbench.data.fake_criteo import write_fake_criteo
 
     source = write_fake_criteo(tmp_path / "train.txt", 200, seed=3)
@@ -405,7 +405,7 @@ def test_data_prepare_on_a_full_disk_names_the_entry(tmp_path, capsys, monkeypat
     def full(directory):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(criteo, "_write_manifest", full)
+    monkeypatch.setattr(data_cache, "write_manifest", full)
     code, _, err = _cli(capsys, "data", "prepare", scenario, "--data-cache", tmp_path / "cache")
     assert code == 2 and "cannot build the data cache entry: No space left on device: " in err
     assert f"'{tmp_path / 'cache'}/" in err  # the entry, by its path

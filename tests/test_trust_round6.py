@@ -533,7 +533,7 @@ def test_a_ctrl_c_in_the_interrupt_handlers_reset_prints_no_traceback(tmp_path, 
             raise KeyboardInterrupt
         return real(signum, handler)
 
-    monkeypatch.setattr(cli, "cmd_show", interrupted)
+    monkeypatch.setattr(cli.show, "main", interrupted)
     monkeypatch.setattr(signal, "signal", reset)
     previous = signal.getsignal(signal.SIGTERM)
     code = cli.main(["show", str(tmp_path)])

@@ -192,7 +192,7 @@ def test_names_and_paths_with_brackets_and_backslashes_reach_the_terminal_unchan
 
 def _in_process_cells(monkeypatch, device_bytes=lambda cell: 0, interrupt: bool = False):
     """``embbench run`` without processes: each cell 'measures' at once (``device_bytes`` its memory)."""
-    from embbench import cli
+    from embbench.cli import run as run_command
     from embbench.launch import CellOutcome, run_cells
     from tests.record_factory import make_record
 
@@ -203,7 +203,7 @@ def _in_process_cells(monkeypatch, device_bytes=lambda cell: 0, interrupt: bool 
         metrics["memory"] = {**metrics["memory"], "static_device_bytes": device_bytes(cell)}
         return CellOutcome("ok", None, metrics)
 
-    monkeypatch.setattr(cli, "run_cells", lambda *a, **kw: run_cells(*a, **{**kw, "execute": measure}))
+    monkeypatch.setattr(run_command, "run_cells", lambda *a, **kw: run_cells(*a, **{**kw, "execute": measure}))
 
 
 def _parsed(command: str):

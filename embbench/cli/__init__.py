@@ -1,0 +1,73 @@
+"""``embbench``: the command line. Each subcommand is a module of this package holding its
+arguments (``register``) and what it does (``main``, or one function per sub-subcommand);
+:mod:`embbench.cli.shared` holds what they share.
+
+``embbench run | strategies | show | compare | report | recommend | project | curve |
+data check | data prepare | data import-tbe | trace record | trace import-dlrm``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from embbench.cli import compare, curve, data, project, recommend, report, run, show, strategies, trace
+from embbench.cli.run import EXIT_NOTHING_RAN
+from embbench.cli.shared import console
+from embbench.optional import MissingDependency
+from embbench.results import RecordError
+from embbench.scenario import ScenarioError
+
+__all__ = ["EXIT_NOTHING_RAN", "build_parser", "console", "main"]
+
+#: The subcommands in the order ``embbench --help`` lists them.
+COMMANDS = (run, data, trace, strategies, show, curve, recommend, compare, report, project)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embbench", description="Benchmark embedding-table placement strategies.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: the cell's processes are killed, records kept
+
+
+def _stdout_gone() -> int:
+    """``| head`` closed the pipe: say so once; nothing more goes to the closed pipe (not even
+    at exit, where Python flushes stdout)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("error: standard output was closed before everything was written (broken pipe)", file=sys.stderr)
+    return 141  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # another Ctrl-C while the first unwinds (its message, the handlers' reset): said once
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
+        print(f"error: standard output is closed; embbench {args.command} prints its results there "
+              "(redirect it to a file or /dev/null instead)", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        return _stdout_gone()
+    except (ScenarioError, RecordError, ValueError, OSError, MissingDependency) as e:  # OSError names its file
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
