@@ -495,7 +495,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
         def execute(cell: Cell, weights: Path | None) -> CellOutcome:
             follow = (lambda phase, step, total: on_progress(cell, phase, step, total)) if on_progress else None
             profile = profile_dir / f"{cell.slug}.trace.json" if profile_dir is not None else None
-            return outcome_without_launch(scenario, cell, force) or run_isolated(
+            return outcome_without_launch(scenario, cell, force, out_dir) or run_isolated(
                 scenario, scenario_file, cell, out_dir / "logs", weights, on_progress=follow, profile_path=profile,
                 work_dir=out_dir / "work" / cell.slug)
     compare = scenario.weights_compared()
@@ -644,7 +644,8 @@ def memory_estimate(scenario: Scenario, cell: Cell) -> MemoryFootprint | None:
     return strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
 
 
-def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tuple[dict[str, int] | None, str | None]:
+def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
+                     run_dir: Path | None = None) -> tuple[dict[str, int] | None, str | None]:
     """The strategy's static-memory estimate for this cell (bytes per rank: ``device``, ``host``)
     and why it cannot fit on this machine now, or None for the reason when it fits or is unknown.
 
@@ -655,7 +656,8 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
     each rank's GPU holds its device bytes, and its device and managed bytes together, against
     that GPU's free memory: managed memory oversubscribing the GPU can hang it. A strategy's
     ``estimate_memory`` that raises is a broken plugin: it raises ``RuntimeError`` naming the
-    strategy.
+    strategy. A file the strategy writes (``disk_bytes``) is held to the free space of its
+    folder's drive (``disk_dir``, else ``run_dir``: the cell's folder is in the run directory).
     """
     try:
         est = memory_estimate(scenario, cell)
@@ -679,6 +681,10 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
                           f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine has "
                           f"{free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all) "
                           f"(--force runs it anyway)")
+    if est.disk_bytes:
+        refused = _disk_preflight(est, cell.world_size, Path(est.disk_dir) if est.disk_dir else run_dir or Path.cwd())
+        if refused:
+            return per_rank, refused
     if device.type == "cuda" and torch.cuda.is_available():
         for rank in range(min(cell.world_size, torch.cuda.device_count())):
             gpu_free, gpu_total = _free_device_bytes(torch.device("cuda", rank))
@@ -692,6 +698,22 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device) -> tu
                                   f"{rank} has {gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed "
                                   f"memory beyond the GPU's free memory can hang it (--force runs it anyway)")
     return per_rank, None
+
+
+def _disk_preflight(est: MemoryFootprint, world_size: int, folder: Path) -> str | None:
+    """Why the strategy's files cannot go in ``folder`` (it is missing, not writable, or its drive
+    lacks the space), or None. A run directory not made yet is measured where it will be."""
+    if est.disk_dir and not Path(est.disk_dir).is_dir():
+        return f"not attempted: store_dir {est.disk_dir} " + ("is not a directory" if Path(est.disk_dir).exists()
+                                                              else "does not exist")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if est.disk_dir and not os.access(existing, os.W_OK | os.X_OK):
+        return f"not attempted: store_dir {est.disk_dir} is not writable by this user"
+    need, free = est.disk_bytes * world_size, shutil.disk_usage(existing).free
+    if need > free:
+        return (f"not attempted: estimated {need / 2**30:,.1f} GiB of files in {folder} ({world_size} rank(s) x "
+                f"{est.disk_bytes / 2**30:,.2f} GiB), its drive has {free / 2**30:,.1f} GiB free (--force runs it anyway)")
+    return None
 
 
 def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
@@ -709,7 +731,8 @@ def _plugin_refusal(cell: Cell, env: RuntimeEnv) -> CellOutcome | None:
     return CellOutcome("unsupported", reason, None) if reason else None
 
 
-def outcome_without_launch(scenario: Scenario, cell: Cell, force: bool = False) -> CellOutcome | None:
+def outcome_without_launch(scenario: Scenario, cell: Cell, force: bool = False,
+                           run_dir: Path | None = None) -> CellOutcome | None:
     """The cells that need no processes: those this machine cannot run (``unsupported``), or
     cannot hold (``skipped``: the memory preflight's estimate does not fit what is free); what
     ``run`` records for them and ``--dry-run`` shows."""
@@ -724,7 +747,7 @@ def outcome_without_launch(scenario: Scenario, cell: Cell, force: bool = False) 
     if refused:
         return refused
     try:
-        _, too_big = memory_preflight(scenario, cell, device)
+        _, too_big = memory_preflight(scenario, cell, device, run_dir)
     except RuntimeError as e:
         return CellOutcome("error", str(e), None)
     if too_big and not force:

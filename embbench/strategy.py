@@ -120,12 +120,16 @@ class MemoryFootprint:
     ``device_bytes`` are on the compute device (which is the CPU on a machine without GPUs).
     ``managed_bytes``: of ``host_bytes``, those in CUDA managed (unified) memory, which the GPU
     pages in on demand: the preflight also holds them to the GPU's free memory.
+    ``disk_bytes``: a file the strategy writes on a drive, in ``disk_dir`` (None: the cell's
+    own folder in the run directory); the preflight holds them to that drive's free space.
     """
 
     device_bytes: int = 0
     host_bytes: int = 0
     pinned_bytes: int = 0
     managed_bytes: int = 0
+    disk_bytes: int = 0
+    disk_dir: str | None = None
 
 
 @dataclass

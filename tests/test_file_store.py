@@ -47,6 +47,7 @@ def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
     common = dict(cache_ratio=0.01, lookahead=3, belady_steps=0)
     memory = FreqCache(ctx, FreqCacheParams(**common))
     file_params.setdefault("dram_ratio", 1.0)
+    file_params.setdefault("drive_probe_s", 0)
     on_file = FreqCache(ctx, FreqCacheParams(**common, store="file", store_dir=str(folder), **file_params))
     return memory, on_file
 
@@ -88,7 +89,9 @@ def test_in_the_runner_a_file_store_trains_device_s_weights_in_every_row_precisi
                                        row_precision=precision)
     for a, b in zip(weights, reference):
         assert torch.equal(a, b), precision
-    assert metrics["extra"]["store"] == "file" and metrics["extra"]["store_direct"] is True
+    extra = metrics["extra"]
+    assert extra["store"] == "file" and extra["store_direct"] is True
+    assert extra["drive"]["drive"][0]["reads_per_s"] > 0 and extra["drive"]["reader_ceiling_reads_per_s"] > 0
     tiers = {t["tier"]: t for t in metrics["tiers"]}
     assert list(tiers) == ["hbm", "dram", "nvme"]
     steps = metrics["measured_steps"]
@@ -195,3 +198,48 @@ def test_a_table_larger_than_host_memory_never_holds_more_than_its_share(tmp_pat
         assert torch.equal(table[others, 0], torch.from_numpy(others).float())
     finally:
         rows.close()
+
+
+def _file_cell(store_dir=None, dram_ratio=0.1):
+    from embbench.launch import memory_preflight
+    from embbench.scenario import Cell, parse_scenario
+
+    scenario, _ = parse_scenario(tiny_scenario(), "t.yaml")
+    params = {"store": "file", "dram_ratio": dram_ratio, **({"store_dir": str(store_dir)} if store_dir else {})}
+    return scenario, Cell("freqcache", params, 1), memory_preflight
+
+
+def test_the_preflight_holds_the_row_file_to_its_drive_and_host_memory_to_the_cached_share(tmp_path, monkeypatch):
+    import shutil
+
+    scenario, cell, preflight = _file_cell(tmp_path, dram_ratio=0.1)
+    est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, 1, local_batch_size=64,
+                                               train_steps=10)
+    assert est.disk_bytes > 0 and est.disk_dir == str(tmp_path)
+    from embbench.scenario import Cell
+
+    memory = Cell("freqcache", {}, 1).make_strategy().estimate_memory(
+        scenario.tables(), scenario.optimizer.embedding, 1, local_batch_size=64, train_steps=10)
+    assert est.host_bytes < 0.5 * memory.host_bytes  # the cached share of the file, not the table
+    assert preflight(scenario, cell, torch.device("cpu"))[1] is None
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=est.disk_bytes - 1))
+    reason = preflight(scenario, cell, torch.device("cpu"))[1]
+    assert reason.startswith(f"not attempted: estimated") and f"files in {tmp_path}" in reason and "GiB free" in reason
+
+
+def test_the_preflight_names_a_store_dir_that_is_missing(tmp_path):
+    scenario, cell, preflight = _file_cell(tmp_path / "gone")
+    assert preflight(scenario, cell, torch.device("cpu"))[1] == f"not attempted: store_dir {tmp_path / 'gone'} does not exist"
+
+
+def test_embbench_disk_measures_a_folder_and_names_a_missing_one(tmp_path, capsys):
+    from embbench.cli import main
+
+    assert main(["disk", str(tmp_path), "--seconds", "0.05", "--depths", "1,4", "--file-size", "4MiB", "--json"]) == 0
+    import json
+
+    probe = json.loads(capsys.readouterr().out)
+    assert [d["depth"] for d in probe["drive"]] == [1, 4]
+    assert main(["disk", str(tmp_path / "nope")]) == 2
+    assert str(tmp_path / "nope") in capsys.readouterr().err

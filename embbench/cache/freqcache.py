@@ -40,6 +40,7 @@ from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan,
 from embbench.data.batch import SparseFeatures
 from embbench.data.weights import fill_in_parallel
 from embbench.disk.layout import PageLayout
+from embbench.disk.probe import measure_drive
 from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
@@ -73,16 +74,20 @@ class FreqCacheParams(StrategyParams):
                                                     "folder in the run directory)")
     dram_ratio: float = Field(0.1, gt=0, le=1, description="store: file: the share of the file's pages host memory holds")
     io_depth: int = Field(32, ge=1, le=1024, description="store: file: reads the reader keeps in flight")
+    drive_probe_s: float = Field(1.0, ge=0, le=60, description="store: file: seconds of random reads at io_depth that "
+                                                               "measure the drive at build, for the record (0: off)")
 
     @model_validator(mode="after")
     def _file_store_only(self):
         if self.store == "memory":
-            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth") if k in self.model_fields_set)
+            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth", "drive_probe_s") if k in self.model_fields_set)
             if given:
                 raise ValueError(f"{', '.join(given)}: only for store: file (store is memory)")
         return self
 
 
+#: The drive probe's scratch file at build (store: file): larger than a drive's own cache, quick to write.
+_PROBE_FILE_BYTES = 256 << 20
 #: Steady-state steps run uncaptured before one is captured (they compile and warm the kernels up).
 _EAGER_BEFORE_CAPTURE = 2
 #: Every timed step's plan: a training batch that entered the window right after the last one
@@ -437,6 +442,10 @@ class FreqCache(SparseModule):
             return kind.pack(weights, extras)
 
         rows.fill(make_rows, run=fill_in_parallel)
+        self._drive = None
+        if params.drive_probe_s and ctx.env.rank == 0:  # the drive's own rate, beside what the store achieves
+            self._drive = measure_drive(folder, params.drive_probe_s, (params.io_depth,), _PROBE_FILE_BYTES,
+                                        ceiling_seconds=min(0.5, params.drive_probe_s)).as_dict()
         return rows
 
     def _apply_late(self) -> None:
@@ -567,7 +576,8 @@ class FreqCache(SparseModule):
                      "cache_moves": self._moves_note,
                      "cache_compiled": sorted(self._compile_worked), "cache_compile": self._compile_note,
                      "cache_compile_seconds": dict(self._compile_seconds),
-                     **(self.file_rows.describe() if self.file_rows else {"store": "memory"})}
+                     **(self.file_rows.describe() if self.file_rows else {"store": "memory"}),
+                     **({"drive": self._drive} if self.file_rows and self._drive else {})}
         if self._window_start is None:
             return out
         end = self._window_end if self._window_end is not None else self.planner.counts  # a run shorter than the window
@@ -657,6 +667,11 @@ class FreqCacheStrategy(Strategy):
                 pairs = min(max(auto_window_pairs(n, cached, max_ids, row_bytes), (AUTO_LOOKAHEAD[0] + 1) * max_ids),
                             (longest + 1) * max_ids)
             device += pairs * 8 if self.params.prefetch else 0
+        if self.params.store == "file":  # host memory holds dram_ratio of the file's pages, and a map of them
+            layout = PageLayout(n, row_bytes)
+            blocks = math.ceil(layout.pages / layout.pages_per_row)
+            return MemoryFootprint(device_bytes=device, host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes)
+                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir)
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 
     def build(self, ctx: BuildContext) -> SparseModule:

@@ -2,7 +2,7 @@
 arguments (``register``) and what it does (``main``, or one function per sub-subcommand);
 :mod:`embbench.cli.shared` holds what they share.
 
-``embbench run | strategies | show | compare | report | recommend | project | curve |
+``embbench run | strategies | show | compare | report | recommend | project | curve | disk |
 data check | data prepare | data import-tbe | trace record | trace import-dlrm``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from embbench.cli import compare, curve, data, project, recommend, report, run, show, strategies, trace
+from embbench.cli import compare, curve, data, disk, project, recommend, report, run, show, strategies, trace
 from embbench.cli.run import EXIT_NOTHING_RAN
 from embbench.cli.shared import console
 from embbench.optional import MissingDependency
@@ -22,7 +22,7 @@ from embbench.scenario import ScenarioError
 __all__ = ["EXIT_NOTHING_RAN", "build_parser", "console", "main"]
 
 #: The subcommands in the order ``embbench --help`` lists them.
-COMMANDS = (run, data, trace, strategies, show, curve, recommend, compare, report, project)
+COMMANDS = (run, data, trace, strategies, show, curve, disk, recommend, compare, report, project)
 
 
 def build_parser() -> argparse.ArgumentParser:
