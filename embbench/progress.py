@@ -1,6 +1,7 @@
 """What ``embbench run`` shows while it runs: each cell's phase, step k of n, elapsed time
 and ETA (rich.progress) on a terminal; a line per finished cell; and a summary of the wall
-time per cell at the end."""
+time per cell at the end. And what a long computation of other commands (``embbench curve``)
+shows: its phase, k of n, elapsed time and ETA."""
 
 from __future__ import annotations
 
@@ -17,9 +18,53 @@ from rich.text import Text
 from embbench.results import Record
 from embbench.scenario import Cell
 
-__all__ = ["RunProgress"]
+__all__ = ["PhaseProgress", "RunProgress"]
 
 _STYLE = {"ok": "green", "unsupported": "yellow"}
+
+
+def _bars(console: Console, live: bool) -> Progress:
+    """A phase's bar: what, k of n, elapsed time and ETA (drawn on a terminal only)."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                    console=console, transient=True, disable=not live)
+
+
+class PhaseProgress:
+    """A ``progress(what, done, total)`` callback (:data:`embbench.cache.curve.Progress`) that
+    shows the phase ``what`` as a live bar on a terminal (``live``), and otherwise prints a line
+    as each phase starts and, in a long one, every ``every`` seconds (a log shows where the
+    time went, and that it goes on)."""
+
+    def __init__(self, console: Console, live: bool, clock: Callable[[], float] = time.monotonic, every: float = 30):
+        self.console, self.live, self.clock, self.every = console, live, clock, every
+        self.progress = _bars(console, live)
+        self._task = self.progress.add_task("", total=None)
+        self._phase: str | None = None
+        self._begin = self._told = clock()
+
+    def __enter__(self) -> "PhaseProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        now = self.clock()
+        if what != self._phase:  # a new phase: its own bar, elapsed time and ETA
+            self._phase = what
+            self.progress.reset(self._task, total=total or None, completed=done, description=what)
+            self._line(f"{what}: {total} to do", now)
+        else:
+            self.progress.update(self._task, total=total or None, completed=done)
+            if now - self._told >= self.every and done < total:
+                self._line(f"{what}: {done} of {total} done", now)
+
+    def _line(self, text: str, now: float) -> None:
+        if not self.live:
+            self.console.print(Text(f"{text} ({now - self._begin:.0f} s so far)", style="dim"))
+            self._told = now
 
 
 class RunProgress:
@@ -36,9 +81,7 @@ class RunProgress:
     def __init__(self, console: Console, cells: int, live: bool, lines: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.console, self.lines, self.clock = console, lines, clock
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 console=console, transient=True, disable=not live)
+        self.progress = _bars(console, live)
         self._cells = self.progress.add_task("cells", total=cells)
         self._phase = self.progress.add_task("", total=None, visible=False)
         self._started: dict[str, float] = {}

@@ -59,10 +59,13 @@ def parse_size(text: str, flag: str = "size") -> int:
 
 
 def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest of GiB, MiB and KiB that leaves at least 1 (else B), to at
+    least two significant digits: ``2.19 MiB``, ``512 B``, ``0.5 B`` (a per-step average may
+    be a fraction of a byte; ``0.0 MiB`` says nothing)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
+    return f"{n:,.0f} B" if abs(n) >= 10 else f"{n:.2g} B"
 
 
 @dataclass(frozen=True)

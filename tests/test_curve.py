@@ -275,3 +275,74 @@ def test_the_curve_table_marks_sizes_below_a_batch_and_scales_its_byte_units():
     small, large = [line for line in text.splitlines() if "%" in line and "│" in line][:2]
     assert "10 *" in small and " *" not in large and "smaller than one batch's distinct rows" in text
     assert "KiB.." in text and "0.0..0.0" not in text
+
+
+def test_measure_tells_its_progress_before_each_unit_of_work():
+    """Issue 41: curve measured 116 s in silence. freqcache's simulations (the slow part) are
+    told one by one before each starts, then every other policy scope by scope; each phase ends
+    with all of its units done."""
+    events = []
+
+    def freqcache(ratio):
+        events.append(("simulate", ratio))
+        return 0.5, 0.4
+
+    measure(_two_tables(), {"a": 40, "b": 15}, (0.1, 0.3, 0.5), ("lru", "freqcache", "min"), skip=2,
+            freqcache=freqcache, freqcache_ratios=(0.1, 0.5), progress=lambda *told: events.append(told))
+    slow, rest = dict.fromkeys(e[0] for e in events if e[0] != "simulate")
+    assert slow == "freqcache's planner, one simulation per size"
+    assert rest == "LRU, MIN at 3 sizes, all tables and then each table"
+    assert events[:5] == [(slow, 0, 2), ("simulate", 0.1), (slow, 1, 2), ("simulate", 0.5), (slow, 2, 2)]
+    assert events[5:] == [(rest, done, 6) for done in (0, 2, 4, 6)]  # 3 scopes of 2 policies
+
+
+def test_the_curve_command_prints_a_line_per_phase_where_no_bar_is_drawn(tmp_path, capsys):
+    code, stdout, stderr = _cli(capsys, "curve", str(_tiny_scenario(tmp_path)), "--warmup", "4", "--steps", "6",
+                                "--sizes", "0.01,0.1", "--freqcache-sizes", "0.1")
+    assert code == 0, stderr
+    phases = [line for line in stdout.splitlines() if line.endswith("s so far)")]
+    assert [p.split(" (")[0] for p in phases] == ["reading the training batches: 10 to do",
+                                                  "freqcache's planner, one simulation per size: 1 to do",
+                                                  "LRU, LFU, MIN at 2 sizes, all tables and then each table: 81 to do"]
+    assert stdout.index(phases[-1]) < stdout.index("hit rate % per access")  # before the table
+
+
+@given(st.one_of(st.just(0.0), st.floats(-(2.0**45), 2.0**45, allow_nan=False)))
+def test_byte_units_scale_and_keep_two_significant_digits(n):
+    """A byte count reads in the largest unit that leaves at least 1 (B below 1 KiB), the shown
+    number within half a unit of its second significant digit (``0.0 MiB`` reads nothing)."""
+    import math
+
+    from embbench.recommend import format_bytes
+
+    number, unit = format_bytes(n).split(" ")
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    shown = float(number.replace(",", ""))
+    assert unit == "B" or abs(n) >= scale
+    assert unit == "GiB" or abs(n) < 1024 * scale
+    if n == 0:
+        assert shown == 0
+    else:
+        value = abs(n) / scale
+        assert abs(shown - n / scale) <= 0.5 * 10 ** (math.floor(math.log10(value)) - 1) * (1 + 1e-9)
+
+
+def test_a_long_phase_prints_a_line_every_so_often_where_no_bar_is_drawn():
+    import io
+
+    from rich.console import Console
+
+    from embbench.progress import PhaseProgress
+
+    now = [0.0]
+    console = Console(file=io.StringIO(), width=200)
+    with PhaseProgress(console, live=False, clock=lambda: now[0], every=30) as shown:
+        for done, at in enumerate((0, 20, 40, 50, 75)):  # 5 units of one phase, then a second phase
+            now[0] = at
+            shown("simulating", done, 5)
+        now[0] = 80
+        shown("simulating", 5, 5)
+        shown("counting", 0, 2)
+    assert console.file.getvalue().splitlines() == [
+        "simulating: 5 to do (0 s so far)", "simulating: 2 of 5 done (40 s so far)",
+        "simulating: 4 of 5 done (75 s so far)", "counting: 2 to do (80 s so far)"]

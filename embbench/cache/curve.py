@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import numpy as np
 from pydantic import Field
@@ -34,8 +34,11 @@ from typing_extensions import TypedDict
 from embbench.bounds import Count, NonNegative, PositiveCount, Rate
 from embbench.inputs import open_schema as _open, read_json, validated
 
-__all__ = ["CURVE_FORMAT", "CurveFile", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure", "min_hits",
-           "read_curve", "stack_hits", "step_rows", "to_csv"]
+__all__ = ["CURVE_FORMAT", "CurveFile", "DEFAULT_RATIOS", "POLICIES", "Progress", "StepRows", "below_one_batch", "capacity_of",
+           "knee", "measure", "min_hits", "read_curve", "stack_hits", "step_rows", "to_csv"]
+
+#: ``progress(what, done, total)``: ``done`` of ``total`` units of the work ``what`` are done.
+Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ def _rates(hits, distinct_hits, accesses: int, distinct: int, steps: int, row_by
 
 
 def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_RATIOS, policies=POLICIES,
-            skip: int = 0, row_bytes: int = 0, freqcache=None, freqcache_ratios=()) -> dict:
+            skip: int = 0, row_bytes: int = 0, freqcache=None, freqcache_ratios=(), progress: Progress | None = None) -> dict:
     """The cache curves of an id stream: every policy's hit rates at each ratio of the rows,
     for all tables together (one cache of ``ratio`` of all rows, as freqcache holds) and for
     each table alone (``ratio`` of its rows).
@@ -294,7 +297,10 @@ def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_
         freqcache: ``ratio -> (hit rate, unique hit rate)`` of freqcache's policy over the same
             counted steps (all tables together only: freqcache holds one cache), measured at
             ``freqcache_ratios``.
+        progress: told of each unit of work before it starts, and when a phase is done
+            (:data:`Progress`): freqcache's simulations, then every other policy of every scope.
     """
+    progress = progress or (lambda what, done, total: None)
     counted = len(steps) - skip
     if counted <= 0:
         raise ValueError(f"a curve needs counted steps: {len(steps)} steps, {skip} of them before counting")
@@ -305,7 +311,11 @@ def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_
                                                                everything.split(table_of, len(table_rows))))
     out = {"format": CURVE_FORMAT, "ratios": list(ratios), "policies": list(policies), "row_bytes": row_bytes,
            "warmup_steps": skip, "counted_steps": counted, "tables": dict(table_rows), "scopes": []}
-    for name, rows, s in scopes:
+    simulated = _freqcache_points(freqcache if "freqcache" in policies else None, ratios, freqcache_ratios, progress)
+    others = [p for p in policies if p != "freqcache"]
+    what = f"{', '.join(p.upper() for p in others)} at {len(ratios)} sizes, all tables and then each table"
+    for done, (name, rows, s) in enumerate(scopes):
+        progress(what, done * len(others), len(scopes) * len(others))
         window = slice(int(s.start[skip]), int(s.start[-1]))
         accesses, distinct = int(s.counts[window].sum()), window.stop - window.start
         capacities = [capacity_of(r, rows) for r in ratios]
@@ -320,22 +330,39 @@ def measure(steps: list[np.ndarray], table_rows: dict[str, int], ratios=DEFAULT_
                 runs = [runs[c] for c in capacities]
                 lines[policy] = _rates([r[0] for r in runs], [r[2] for r in runs], accesses, distinct, counted, row_bytes)
             elif policy == "freqcache":
-                lines[policy] = _freqcache_line(freqcache if name == "all" else None, ratios, freqcache_ratios,
-                                                accesses, distinct, counted, row_bytes)
+                lines[policy] = _freqcache_line(simulated if name == "all" else {}, ratios, accesses, distinct, counted,
+                                                row_bytes)
             else:
                 raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
         out["scopes"].append({"name": name, "rows": rows, "accesses": accesses, "distinct": distinct,
                               "capacity": capacities, "policies": lines})
+    if others:
+        progress(what, len(scopes) * len(others), len(scopes) * len(others))
     return out
 
 
-def _freqcache_line(freqcache, ratios, measured, accesses: int, distinct: int, steps: int, row_bytes: int) -> dict:
-    """freqcache's points (None where not measured: every table alone, ratios not asked for)."""
+def _freqcache_points(freqcache, ratios, measured, progress: Progress) -> dict[float, tuple[float, float]]:
+    """``ratio -> (hit rate, unique hit rate)`` of freqcache at the ``measured`` ratios (a whole
+    simulation each: the slow part of a curve, so each is told to ``progress``)."""
+    todo = [r for r in ratios if r in measured] if freqcache is not None else []
+    what = "freqcache's planner, one simulation per size"
+    points = {}
+    for done, ratio in enumerate(todo):
+        progress(what, done, len(todo))
+        points[ratio] = freqcache(ratio)
+    if todo:
+        progress(what, len(todo), len(todo))
+    return points
+
+
+def _freqcache_line(points: dict, ratios, accesses: int, distinct: int, steps: int, row_bytes: int) -> dict:
+    """freqcache's line from its ``points`` (None where not measured: every table alone, ratios
+    not asked for)."""
     line: dict[str, list] = {k: [None] * len(ratios) for k in ("hit_rate", "unique_hit_rate", "rows_moved_per_step", "bytes_per_step")}
     for i, ratio in enumerate(ratios):
-        if freqcache is None or ratio not in measured:
+        if ratio not in points:
             continue
-        hit, unique = freqcache(ratio)
+        hit, unique = points[ratio]
         point = _rates([hit * accesses], [unique * distinct], accesses, distinct, steps, row_bytes)
         for k in line:
             line[k][i] = point[k][0]
@@ -451,3 +478,13 @@ def knee(curve: dict, policy: str = "min", scope: str = "all") -> tuple[float, f
     above = (y - y[0]) / (y[-1] - y[0]) - (x - x[0]) / (x[-1] - x[0])
     i = int(np.argmax(above))
     return (curve["ratios"][i], float(y[i])) if above[i] > 0 else None
+
+
+def below_one_batch(curve: dict) -> list[bool]:
+    """Per ratio: whether the cache of all tables is smaller than one batch's distinct rows (on
+    average over the counted batches). No batch-granular cache can hold such a batch, so there
+    MIN per access is no bound (it may keep a few rows with many ids that a policy evicts):
+    compare per distinct row."""
+    everything = curve["scopes"][0]
+    batch = everything["distinct"] / curve["counted_steps"]
+    return [rows < batch for rows in everything["capacity"]]

@@ -9,7 +9,7 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, measure
+from embbench.cache.curve import DEFAULT_RATIOS, POLICIES, Progress, below_one_batch, measure
 from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream
 from embbench.recommend import format_bytes
@@ -40,15 +40,21 @@ def _training_batches(scenario, batches: int):
 
 
 def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: int = 48, steps: int = 64,
-                   freqcache_ratios=None) -> dict:
+                   freqcache_ratios=None, progress: Progress | None = None) -> dict:
     """The curves of the scenario's first ``warmup + steps`` training batches, counted over the
     last ``steps`` (freqcache profiles the first :data:`FREQCACHE_PROFILE` of the warm-up,
     and reads the batches its look-ahead needs beyond them).
 
     ``freqcache_ratios``: where freqcache's planner is driven (each a full simulation);
-    default the smallest, the middle and the largest of ``ratios``."""
+    default the smallest, the middle and the largest of ``ratios``. ``progress``: told of the
+    batches read, then of :func:`~embbench.cache.curve.measure`'s work."""
     batch_rows, table_rows = _training_batches(scenario, warmup + steps)
-    stream = [batch_rows(i) for i in range(warmup + steps)]
+    progress = progress or (lambda what, done, total: None)
+    what, stream = "reading the training batches", []
+    for i in range(warmup + steps):
+        progress(what, i, warmup + steps)
+        stream.append(batch_rows(i))
+    progress(what, warmup + steps, warmup + steps)
     if freqcache_ratios is None:
         ordered = sorted(ratios)
         freqcache_ratios = sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]})
@@ -58,7 +64,7 @@ def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: i
         freqcache = freqcache_policy(batch_rows, sum(table_rows.values()), max(len(b) for b in stream), profile,
                                      warmup - profile, steps, scenario.run.seed)
     row_bytes = 4 * (scenario.data.embedding_dim + scenario.optimizer.embedding.state_width)
-    curve = measure(stream, table_rows, ratios, policies, warmup, row_bytes, freqcache, freqcache_ratios)
+    curve = measure(stream, table_rows, ratios, policies, warmup, row_bytes, freqcache, freqcache_ratios, progress)
     curve["scenario"] = {"name": scenario.name, "source": scenario.data.source, "batch_size": scenario.data.batch_size,
                          "digest": scenario.digest()}
     return curve
@@ -89,14 +95,14 @@ def curve_tables(curve: dict, worst: int = 3) -> list:
         table.add_column(policy.upper() if policy in ("lru", "lfu", "min") else policy, justify="right")
     table.add_column("moved/step (fewest..most)", justify="right")  # in and out, over the policies
     lines = everything["policies"]
-    batch = everything["distinct"] / curve["counted_steps"]  # a batch's distinct rows, on average
+    small = below_one_batch(curve)
     for i in shown:
         moved = [lines[p]["bytes_per_step"][i] for p in curve["policies"] if lines[p]["bytes_per_step"][i] is not None]
-        rows = everything["capacity"][i]
-        table.add_row(f"{100 * ratios[i]:.2g}%", f"{rows:,}" + (" *" if rows < batch else ""),
+        table.add_row(f"{100 * ratios[i]:.2g}%", f"{everything['capacity'][i]:,}" + (" *" if small[i] else ""),
                       *(_cell(lines[p], i) for p in curve["policies"]),
                       f"{format_bytes(min(moved))}..{format_bytes(max(moved))}" if moved else "-")
-    if any(everything["capacity"][i] < batch for i in shown):
+    if any(small[i] for i in shown):
+        batch = everything["distinct"] / curve["counted_steps"]
         table.caption = (f"*: smaller than one batch's distinct rows ({batch:,.0f}): no batch-granular cache can hold a "
                          "batch, and MIN per access is no bound there; compare per distinct row")
     out: list = [table]

@@ -13,6 +13,7 @@ from embbench.bounds import CURVE_MAX_BATCHES, positive_flag
 from embbench.cli.data import data_cache, prepare_data
 from embbench.cli.shared import comma_names, console
 from embbench.outputs import atomic_write, claim_output, head_has
+from embbench.progress import PhaseProgress
 from embbench.scenario import load_scenario
 
 
@@ -32,7 +33,8 @@ def main(args: argparse.Namespace) -> int:
                          f"{','.join(map(str, args.sizes))}; freqcache is driven at sizes of the curve")
     scenario, _ = load_scenario(args.scenario, scale=args.scale)
     prepare_data(args.scenario, scenario, data_cache(args), batches=(args.warmup + args.steps, 0))  # its own reads
-    curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes)
+    with PhaseProgress(console, live=console.is_terminal) as progress:
+        curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes, progress)
     for shown in curve_tables(curve):
         console.print(shown)
     if out is not None:
