@@ -2,10 +2,13 @@
 
 Everything is inside the file (the tables as HTML tables, sorted by a click on a header with
 a few lines of inline script; the plots as base64 PNG), so it can be mailed, attached to a
-CI job or committed beside the results. A section with nothing to show is left out. Plots
-(matplotlib, Agg backend): throughput against device memory with the Pareto front, hit
-rate against Belady's bound by cache ratio, step-time distributions, per-rank bars of
-multi-rank cells, and the top profiled operators where a run was profiled.
+CI job or committed beside the results. A section with nothing to show is left out. It opens
+with a verdict (:func:`embbench.report.verdict`): the fastest cell, its margin and whether the
+noise allows the decision. Plots (matplotlib, Agg backend): throughput (log axis, each cell
+with its interval over repeats, busy cells marked, labels that do not overlap) against device
+memory with the Pareto front, hit rate against Belady's bound by cache ratio, step-time
+distributions (log axis), the cache curve beside the run, per-rank bars of multi-rank cells,
+and the top profiled operators where a run was profiled.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from embbench.outputs import atomic_write, claim_output, head_has
 from embbench.results import RUN_CURVE
 from embbench.table_view import SORT_SCRIPT, html_table
 
-__all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
+__all__ = ["cache_curve_figure", "check_writable", "hit_rates_figure", "pareto_figure", "pareto_front", "render_report",
+           "step_times_figure", "write_report"]
 
 MiB = 2**20
 
@@ -50,7 +54,10 @@ def _pyplot():
     return require("matplotlib.pyplot", "embbench report (its plots)")
 
 
-def _png(fig) -> str:
+def _png(fig) -> str | None:
+    """A figure as an inline PNG image (None: no figure, nothing to show)."""
+    if fig is None:
+        return None
     plt = _pyplot()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
@@ -66,36 +73,88 @@ def strategy_colours(runs: list[Run]) -> dict[str, Any]:
     return {name: cmap(i % 10) for i, name in enumerate(names)}
 
 
-def plot_pareto(run: Run, colours: dict[str, Any]) -> str | None:
-    """Throughput against device memory per rank, a colour per strategy (``colours``), the
-    front marked."""
+def _busy(row: dict[str, Any]) -> bool:
+    """Whether a cell was timed on a busy machine (its ``busy!`` flag)."""
+    return any(flag.startswith("busy") for flag in (row.get("flags") or "").split("; "))
+
+
+def _log_axis(ax, which: str) -> None:
+    """A log scale whose ticks read as plain numbers (``900,000``, ``2.5``), labelled where
+    matplotlib's log formatter would label them (minor ticks too, on a range under a decade)."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    class Plain(LogFormatterSciNotation):
+        def __call__(self, x, pos=None):
+            return (f"{x:,.0f}" if x >= 100 else f"{x:.3g}") if super().__call__(x, pos) else ""
+
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_formatter(Plain())
+    axis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+def _legend_below(fig, handles: list, labels: list[str], fontsize: float = 7):
+    """The legend under the plot (a ``constrained`` figure makes room for it), in as many
+    columns (at most 4) as fit the figure's width."""
+    for columns in range(min(4, len(labels)), 0, -1):
+        legend = fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=fontsize)
+        fig.canvas.draw()
+        if columns == 1 or legend.get_window_extent().width <= fig.bbox.width:
+            return legend
+        legend.remove()
+
+
+def pareto_figure(run: Run, colours: dict[str, Any]):
+    """Throughput (log axis) against device memory per rank, a colour per strategy
+    (``colours``), each cell with its 95 % interval over repeats, busy cells as crosses, the
+    front marked, every cell labelled where no other label is."""
+    from embbench.plot_labels import place_labels
+
     plt = _pyplot()
     rows = [r for r in map(flat_row, run.records) if r["status"] == "ok"]
     if not rows:
         return None
     points = [(r["device_bytes"] / MiB, r["throughput"]) for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(8, 5.2), layout="constrained")
     for row, (x, y) in zip(rows, points):
-        ax.scatter(x, y, color=colours[row["strategy"]], s=40, zorder=3)
-        ax.annotate(row["cell_id"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        low, high = row["throughput_ci95_low"], row["throughput_ci95_high"]
+        # the point is the median of the repeats, the interval their log-t mean's: max(0, ..) where they part
+        ax.errorbar(x, y, yerr=None if low is None else [[max(0, y - low)], [max(0, high - y)]], fmt="X" if _busy(row) else "o",
+                    color=colours[row["strategy"]], ms=7, capsize=3, elinewidth=1, zorder=3)
     front = pareto_front(points)
     ax.step([points[i][0] for i in front], [points[i][1] for i in front], where="post", color="0.3", lw=1,
-            ls="--", zorder=2, label="Pareto front")
-    ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=140, facecolors="none",
+            ls="--", zorder=2)
+    ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=160, facecolors="none",
                edgecolors="black", zorder=4)
-    for name in sorted({row["strategy"] for row in rows}):
-        ax.scatter([], [], color=colours[name], label=name)
+    _log_axis(ax, "y")  # a 10 ms and a 2,000 ms cell on one axis
     ax.set_xlabel("device memory per rank, MiB (peak where measured, else static)")
-    ax.set_ylabel("samples/s")
+    ax.set_ylabel("samples/s (log), 95% interval over repeats")
     ax.set_title(f"{run.label}: throughput against device memory")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _png(fig)
+    ax.grid(alpha=0.3, which="both")
+    names = sorted({row["strategy"] for row in rows})
+    handles = [plt.Line2D([], [], ls="none", marker="o", color=colours[n]) for n in names]
+    labels = list(names)
+    handles.append(plt.Line2D([], [], ls="--", color="0.3", marker="o", mfc="none", mec="black", ms=10))
+    labels.append("Pareto front")
+    if any(map(_busy, rows)):
+        handles.append(plt.Line2D([], [], ls="none", marker="X", color="0.3"))
+        labels.append("busy!: timed on a busy machine")
+    _legend_below(fig, handles, labels)
+    order = front + [i for i in range(len(rows)) if i not in front]  # the front's labels nearest their points
+    place_labels(ax, [points[i] for i in order],
+                 [rows[i]["cell_id"] + (" busy!" if _busy(rows[i]) else "") for i in order])
+    return fig
 
 
-def plot_hit_rates(runs: list[Run]) -> str | None:
-    """Hit rate and Belady's bound against the cache ratio, one line per family of cells that
-    differ only in ``cache_ratio`` (per distinct row too, where recorded)."""
+#: The hit-rate plot's quantities: a line style and a marker each (a family's is its colour).
+_HIT_RATES = [("hit_rate", "-", "o", "hit rate"), ("belady_hit_rate", "--", "x", "Belady's bound"),
+              ("unique_hit_rate", ":", "s", "per distinct row"), ("belady_unique_hit_rate", "-.", "+", "bound per distinct row")]
+
+
+def hit_rates_figure(runs: list[Run]):
+    """Hit rate and Belady's bound against the cache ratio, one colour per family of cells that
+    differ only in ``cache_ratio``, one line style per quantity (per distinct row too, where
+    recorded): a legend of families plus quantities, not of their product."""
     plt = _pyplot()
     series: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
@@ -106,35 +165,42 @@ def plot_hit_rates(runs: list[Run]) -> str | None:
                 series.setdefault(f"{family} ({run.label})" if len(runs) > 1 else family, []).append(r)
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(8, 5.2), layout="constrained")
     cmap = plt.get_cmap("tab10")
-    curves = [("hit_rate", "-", "o", "hit rate"), ("belady_hit_rate", "--", "x", "Belady's bound"),
-              ("unique_hit_rate", ":", "s", "per distinct row"), ("belady_unique_hit_rate", "-.", "+", "bound per distinct row")]
+    handles, labels, shown = [], [], set()
     for i, (family, rows) in enumerate(series.items()):
         rows.sort(key=lambda r: r["param.cache_ratio"])
-        for key, style, marker, what in curves:
+        for key, style, marker, _ in _HIT_RATES:
             pts = [(r["param.cache_ratio"], r[key]) for r in rows if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), ls=style, marker=marker, color=cmap(i % 10), label=f"{family}: {what}")
-    ax.set_xscale("log")
+                ax.plot(*zip(*pts), ls=style, marker=marker, color=cmap(i % 10))
+                shown.add(key)
+        handles.append(plt.Line2D([], [], color=cmap(i % 10), lw=3))
+        labels.append(family)
+    for key, style, marker, what in _HIT_RATES:
+        if key in shown:
+            handles.append(plt.Line2D([], [], ls=style, marker=marker, color="0.2"))
+            labels.append(what)
+    _log_axis(ax, "x")
     ax.set_xlabel("cache ratio (cached rows / all rows)")
     ax.set_ylabel("hit rate")
     ax.set_ylim(0, 1.02)
     ax.set_title("hit rate against Belady's bound")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: many series would hide the lines
-    return _png(fig)
+    _legend_below(fig, handles, labels)
+    return fig
 
 
-def plot_step_times(runs: list[Run]) -> str | None:
-    """Box plots of every measured cell's step times (ms), the runs side by side per cell."""
+def step_times_figure(runs: list[Run]):
+    """Box plots of every measured cell's step times (ms, a log axis: cells 200x apart share
+    it), the runs side by side per cell, busy cells named so."""
     plt = _pyplot()
     boxes, labels = [], []
     for run in runs:
         for r in map(flat_row, run.records):
             if r["status"] == "ok":
                 boxes.append([s * 1e3 for s in r["step_time_samples"]])
-                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else ""))
+                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else "") + (" busy!" if _busy(r) else ""))
     if not boxes:
         return None
     order = sorted(range(len(labels)), key=lambda i: labels[i], reverse=True)  # top to bottom, by cell
@@ -142,10 +208,11 @@ def plot_step_times(runs: list[Run]) -> str | None:
     ax.boxplot([boxes[i] for i in order], orientation="horizontal", widths=0.6)
     ax.set_yticks(range(1, len(order) + 1))
     ax.set_yticklabels([labels[i] for i in order], fontsize=7)
-    ax.set_xlabel("step time, ms (box: quartiles; whiskers: 1.5 IQR)")
+    _log_axis(ax, "x")
+    ax.set_xlabel("step time, ms, log axis (box: quartiles; whiskers: 1.5 IQR)")
     ax.set_title("step-time distributions")
-    ax.grid(alpha=0.3, axis="x")
-    return _png(fig)
+    ax.grid(alpha=0.3, axis="x", which="both")
+    return fig
 
 
 def plot_per_rank(run: Run) -> list[str]:
@@ -208,13 +275,14 @@ table.sortable tbody tr:nth-child(even) { background: #fafafa; }
 img { max-width: 100%; margin: 8px 0; border: 1px solid #eee; }
 .meta { color: #555; font-size: 13px; }
 .warning { background: #fff4d6; border: 1px solid #e0b040; padding: 6px 10px; font-size: 14px; }
+.verdict { background: #f3f7ff; border: 1px solid #9ab; padding: 6px 10px; font-size: 14px; }
+.verdict ul { margin: 4px 0; padding-left: 20px; }
 """
 
 
 def plot_cache_curve(run: Run) -> str | None:
-    """The run's cache curve (``RUN/curve.json``, from ``embbench curve --out``), all tables in
-    one cache, per distinct row: one panel per policy family with Belady's MIN as the envelope,
-    and the run's measured cells of that family as points."""
+    """The run's cache curve (``RUN/curve.json``, from ``embbench curve --out``) as a plot
+    (:func:`cache_curve_figure`); a damaged curve file is a warning in its place."""
     from embbench.cache.curve import read_curve
 
     path = Path(run.path) / RUN_CURVE
@@ -225,27 +293,51 @@ def plot_cache_curve(run: Run) -> str | None:
     except ValueError as e:  # a damaged curve costs its plot, never the report
         print(f"warning: {e}; the report has no cache curve", file=sys.stderr)
         return f"<p class=\"warning\">{html.escape(str(e))}; no cache curve</p>"
+    return _png(cache_curve_figure(run, curve))
+
+
+def _ratio_edge(ratios: list[float], i: int) -> float:
+    """Between ratio ``i`` and the next, on a log axis (the last: half a step beyond it)."""
+    ahead = ratios[i + 1] if i + 1 < len(ratios) else ratios[i] * (ratios[i] / ratios[i - 1] if i else 2)
+    return (ratios[i] * ahead) ** 0.5
+
+
+def cache_curve_figure(run: Run, curve: dict):
+    """A cache curve of all tables in one cache, per distinct row: one panel per policy family
+    with Belady's MIN as the envelope, the run's measured cells of that family as points, and
+    the sizes below one batch's distinct rows shaded. A policy measured at a few sizes only
+    (freqcache: a simulation each) is drawn as those points: a line between them would claim
+    the sizes between, and can pass above MIN."""
+    from embbench.cache.curve import below_one_batch
+
     lines = curve["scopes"][0]["policies"]
     families = [p for p in curve["policies"] if p != "min"]
     if not families:
         return None
+    ratios = curve["ratios"]
     measured: dict[str, list[tuple[float, float]]] = {}
     for r in run.records:
         ratio, rate = r.params.get("cache_ratio"), flat_row(r).get("unique_hit_rate")
         family = "freqcache" if r.strategy == "freqcache" else str(r.params.get("algorithm", "")).lower()
         if r.status == "ok" and isinstance(ratio, (int, float)) and rate is not None and family in families:
             measured.setdefault(family, []).append((ratio, rate))
+    small = [i for i, below in enumerate(below_one_batch(curve)) if below]
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(families), figsize=(3.4 * len(families), 3.2), squeeze=False, sharey=True)
     for ax, family in zip(axes[0], families):
         if "min" in lines:
-            ax.plot(curve["ratios"], lines["min"]["unique_hit_rate"], ls="--", color="black", label="MIN (envelope)")
-        points = [(x, y) for x, y in zip(curve["ratios"], lines[family]["unique_hit_rate"]) if y is not None]
+            ax.plot(ratios, lines["min"]["unique_hit_rate"], ls="--", color="black", label="MIN (envelope)")
+        points = [(x, y) for x, y in zip(ratios, lines[family]["unique_hit_rate"]) if y is not None]
         if points:
-            ax.plot(*zip(*points), marker="." if len(points) > 3 else "o", label=f"{family} (curve)")
+            sparse = None in lines[family]["unique_hit_rate"]  # measured at some sizes only
+            ax.plot(*zip(*points), ls="none" if sparse else "-", marker="o" if sparse or len(points) <= 3 else ".",
+                    label=f"{family} (curve)")
         if family in measured:
             ax.scatter(*zip(*measured[family]), color="red", zorder=3, label="measured cells")
-        ax.set_xscale("log")
+        if small:
+            ax.axvspan(ratios[0] / 1.2, _ratio_edge(ratios, small[-1]), color="0.92", lw=0,
+                       zorder=0, label="below one batch's distinct rows")
+        _log_axis(ax, "x")
         ax.set_title(family.upper() if family in ("lru", "lfu") else family, fontsize=9)
         ax.set_xlabel("cache ratio")
         ax.grid(alpha=0.3, which="both")
@@ -253,7 +345,7 @@ def plot_cache_curve(run: Run) -> str | None:
     axes[0][0].set_ylabel("hit rate per distinct row")
     axes[0][0].set_ylim(0, 1.02)
     fig.suptitle(f"{run.label}: cache curve ({curve['counted_steps']} batches), all tables in one cache", fontsize=9)
-    return _png(fig)
+    return fig
 
 
 def render_report(runs: list[Run]) -> str:
@@ -267,6 +359,7 @@ def render_report(runs: list[Run]) -> str:
     host = host_device_caption([r for run in runs for r in run.records])
     if host:  # before anything else: such speeds decide nothing about placement
         parts.append(f"<p class=\"warning\"><b>Read first:</b> {html.escape(host)}.</p>")
+    parts.append(_verdict_html(runs))
     for run in runs:
         first = run.records[0]
         p = first.provenance
@@ -284,10 +377,10 @@ def render_report(runs: list[Run]) -> str:
         parts += [_scrolling(html_table(delta_grid(cells, TEST, title=f"{run.label} against {runs[0].label}")))
                   for run, cells in compare_runs(runs)]
     sections = [
-        ("Throughput against device memory", [plot_pareto(run, strategy_colours(runs)) for run in runs]),
-        ("Hit rate against Belady's bound", [plot_hit_rates(runs)]),
+        ("Throughput against device memory", [_png(pareto_figure(run, strategy_colours(runs))) for run in runs]),
+        ("Hit rate against Belady's bound", [_png(hit_rates_figure(runs))]),
         ("Cache curve (embbench curve)", [plot_cache_curve(run) for run in runs]),
-        ("Step times", [plot_step_times(runs)]),
+        ("Step times", [_png(step_times_figure(runs))]),
         ("Per rank", [img for run in runs for img in plot_per_rank(run)]),
     ]
     for title, images in sections:
@@ -299,6 +392,17 @@ def render_report(runs: list[Run]) -> str:
         parts.append("<h2>Top operators (profiled cells)</h2>" + profiles)
     parts.append(f"<script>{SORT_SCRIPT}</script></body></html>")
     return "\n".join(parts)
+
+
+def _verdict_html(runs: list[Run]) -> str:
+    """The report's first word (:func:`embbench.report.verdict`): per run and world size, the
+    fastest cell, its margin and whether the noise allows the decision."""
+    from embbench.report import verdict
+
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in
+                    (f"{run.label}: {line}" if len(runs) > 1 else line
+                     for run in runs for line in verdict(run.records, str(run.path))))
+    return f'<div class="verdict"><b>Verdict</b> (speed; the margin\'s 95% interval over repeats)<ul>{items}</ul></div>'
 
 
 def _scrolling(table: str) -> str:

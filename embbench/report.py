@@ -9,15 +9,15 @@ from rich.table import Table
 from rich.text import Text
 
 from embbench.columns import baseline_throughputs, device_need_bytes, speed
-from embbench.compare import METRICS, CellComparison, Delta, Significance
+from embbench.compare import METRICS, CellComparison, Delta, Significance, repeat_test
 from embbench.metrics import too_few_eval_samples, unstable_training
-from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes
+from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes, recommend
 from embbench.results import Record
 from embbench.stats import interval_text
 from embbench.table_view import Column, Grid, Row, View, print_grid
 
 __all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
-           "print_recommendations", "print_torchrec_plans", "profile_tables"]
+           "print_recommendations", "print_torchrec_plans", "profile_tables", "verdict"]
 
 _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "skipped": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
@@ -277,6 +277,41 @@ def print_deltas(cells: list[CellComparison], before: str, after: str, test: str
     for why, ids in reasons.items():
         which = "every cell" if len(ids) == len(cells) else ", ".join(ids)
         console.print(Text(f"not comparable ({which}): {why}", style="magenta"))
+
+
+def verdict(records: list[Record], run_dir: str = "RUN") -> list[str]:
+    """A run's answer in a line per world size: the fastest cell (ranked as ``recommend`` ranks
+    them with no memory budget: a cell whose AUC falls below the baseline's beyond its noise is
+    left out), its margin over the next fastest, and whether the noise allows the decision:
+    the verdict ``compare`` and its gate read (:func:`embbench.compare.judge`) on the two."""
+    out = []
+    for rec in recommend(records, Budget(device_bytes=2**62), run_dir=run_dir):
+        where = f"{rec.world_size} rank(s)"
+        # with no memory budget, a measured cell is left out for its accuracy only
+        lost = sum(rec.excluded.get(r.cell_id) is not None for r in records
+                   if r.world_size == rec.world_size and r.status == "ok")
+        lost_text = f" ({lost} measured cell(s) left out: AUC below the baseline's, see `recommend`)" if lost else ""
+        if rec.best is None:
+            out.append(f"{where}: no measured cell to choose{lost_text}")
+            continue
+        best = rec.best
+        head = f"{where}: fastest {best.cell_id} ({best.throughput:,.0f} samples/s){lost_text}"
+        if not rec.runners_up:
+            out.append(f"{head}, the only one: nothing to decide between")
+            continue
+        metrics = {r.cell_id: r.metrics for r in records if r.world_size == rec.world_size}
+        runner = rec.runners_up[0]
+        sig = repeat_test(metrics[runner.cell_id], metrics[best.cell_id], names=("the runner-up", "the best"))
+        margin = f"{100 * (best.throughput / runner.throughput - 1):+.1f}%"
+        head += f", {margin}{' ' + interval_text(sig.interval) if sig.interval else ''} over {runner.cell_id}"
+        if sig.not_judged:
+            out.append(f"{head}: cannot judge: {sig.not_judged}")
+        elif sig.significant:
+            out.append(f"{head}: faster beyond noise (p={sig.p_value:.2g}): the noise allows the decision")
+        else:
+            out.append(f"{head}: not faster beyond noise (p={sig.p_value:.2g}): choose between them by memory or "
+                       "accuracy, or run more repeats")
+    return out
 
 
 def print_recommendations(recs: list[Recommendation], budget: Budget, source: str, console: Console) -> None:

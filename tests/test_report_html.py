@@ -237,3 +237,151 @@ def test_a_cache_curve_beside_the_run_is_a_plot_with_the_measured_cells(tmp_path
     text = out.read_text()
     assert "Cache curve (embbench curve)" in text and text.count("<img") == 5  # the 4 plots of one run, and the curve
     assert plot_cache_curve(Run(tmp_path / "none", _records())) is None  # no curve file: no plot
+
+
+# --- the plots, read from their artists (issue 41, item 7) --------------------------------------------
+
+BUSY = {"noise": {"others_cpu_share": 0.6, "steal_share": 0.0, "cores": 2}}
+
+
+def _repeats(ms: float, spread: float) -> list[float]:
+    """12 steps in 3 repeats whose medians are ``ms`` times 1 - spread, 1 and 1 + spread."""
+    return [ms / 1e3 * f for f in (1 - spread, 1, 1 + spread) for _ in range(4)]
+
+
+def _crowd() -> list:
+    """A smoke-like run: a dozen cells, most within a few MiB and a few percent of each other
+    (their labels would pile up), the step times 200x apart, one cell timed on a busy machine."""
+    return [
+        make_record("device", step_times=_repeats(10, 0.02), device_bytes=3 * MiB),
+        make_record("cpu", step_times=_repeats(2000, 0.05), device_bytes=0, host_bytes=3 * MiB, **BUSY),
+        make_record("uvm", step_times=_repeats(11, 0.02), device_bytes=0),
+        *[make_record("freqcache", {"cache_ratio": r, "policy": p}, step_times=_repeats(10.5 + r, 0.03),
+                      device_bytes=int((2.7 + r) * MiB), hit_rate=0.5 + r, unique_hit_rate=0.3 + r,
+                      extra={"belady_hit_rate": 0.6 + r, "belady_unique_hit_rate": 0.4 + r})
+          for r in (0.01, 0.05) for p in ("lfu", "lru")],
+        *[make_record("colossalai", {"cache_ratio": r, "optimizer_state": s}, step_times=_repeats(10.8, 0.04),
+                      device_bytes=int((2.8 + r) * MiB), hit_rate=0.45 + r, extra={"belady_hit_rate": 0.6 + r})
+          for r in (0.01, 0.05) for s in ("row", "slot")],
+        *[make_record("uvm_cache", {"algorithm": a, "cache_ratio": r}, step_times=_repeats(12, 0.02),
+                      device_bytes=int((2.75 + r) * MiB), hit_rate=0.4 + r, unique_hit_rate=0.3 + r)
+          for a in ("lru", "lfu") for r in (0.01, 0.05)],
+    ]
+
+
+def _annotations(ax) -> list:
+    from matplotlib.text import Annotation
+
+    return [t for t in ax.texts if isinstance(t, Annotation)]
+
+
+def test_the_pareto_plot_has_the_repeat_intervals_a_log_axis_and_marks_busy_cells(tmp_path):
+    from matplotlib.container import ErrorbarContainer
+
+    from embbench.columns import flat_row
+    from embbench.html_report import pareto_figure
+
+    records = _crowd()
+    run = Run(tmp_path, records)
+    fig = pareto_figure(run, strategy_colours([run]))
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    bars = {}
+    for container in ax.containers:
+        assert isinstance(container, ErrorbarContainer)
+        (segment,) = container.lines[2][0].get_segments()
+        bars[round(segment[0][0], 6)] = bars.get(round(segment[0][0], 6), []) + [(segment[0][1], segment[1][1])]
+    for row in map(flat_row, records):  # each cell's bar spans its 95% interval over repeats
+        assert (pytest.approx(row["throughput_ci95_low"]), pytest.approx(row["throughput_ci95_high"])) \
+            in bars[round(row["device_bytes"] / MiB, 6)]
+    labels = {a.get_text() for a in _annotations(ax)}
+    assert labels == {r.cell_id + (" busy!" if r.strategy == "cpu" else "") for r in records}
+    busy = [c for c in ax.containers if c.lines[0].get_marker() == "X"]
+    assert len(busy) == 1 and busy[0].lines[0].get_xdata()[0] == 0 and busy[0].lines[0].get_ydata()[0] < 300
+    assert "busy!: timed on a busy machine" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_point_labels_do_not_overlap_and_stay_inside_the_plot(tmp_path):
+    from embbench.html_report import pareto_figure
+    from embbench.plot_labels import text_extent
+
+    run = Run(tmp_path, _crowd())
+    fig = pareto_figure(run, strategy_colours([run]))
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [text_extent(a, renderer) for a in _annotations(ax)]
+    frame = ax.get_window_extent(renderer)
+    assert len(boxes) == len(run.records)
+    for i, a in enumerate(boxes):
+        assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1
+        for b in boxes[:i]:
+            assert min(a.x1, b.x1) <= max(a.x0, b.x0) or min(a.y1, b.y1) <= max(a.y0, b.y0), (a, b)
+
+
+def test_the_legends_fit_inside_their_figures(tmp_path):
+    from embbench.html_report import hit_rates_figure, pareto_figure
+
+    run = Run(tmp_path, _crowd())
+    hit_rates = hit_rates_figure([run])
+    for fig in (hit_rates, pareto_figure(run, strategy_colours([run]))):
+        fig.canvas.draw()
+        (legend,) = fig.legends
+        box, frame = legend.get_window_extent(), fig.bbox
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+        assert not fig.axes[0].get_window_extent().overlaps(box)
+    # a colour per family and a line style per quantity, not an entry for each of their pairs
+    families = 2 + 2 + 2  # freqcache (lfu, lru), colossalai (row, slot) and uvm_cache (lru, lfu), ratios apart
+    assert len(hit_rates.legends[0].get_texts()) == families + 4  # was 20, one per pair shown
+
+
+def test_step_times_are_on_a_log_axis_and_busy_cells_say_so(tmp_path):
+    from embbench.html_report import step_times_figure
+
+    ax = step_times_figure([Run(tmp_path, _crowd())]).axes[0]
+    assert ax.get_xscale() == "log"
+    low, high = ax.get_xlim()
+    assert low < 10 * 0.98 and high > 2000 * 1.05  # the 10 ms and the 2,000 ms cell on one axis
+    assert [t.get_text() for t in ax.get_yticklabels() if "busy!" in t.get_text()] == ["cpu@w1 busy!"]
+
+
+def test_the_verdict_names_the_best_cell_its_margin_and_whether_the_noise_decides(tmp_path):
+    from embbench.report import verdict
+
+    clear = [make_record("device", step_times=_repeats(10, 0.01)), make_record("cpu", step_times=_repeats(13, 0.01))]
+    (line,) = verdict(clear)
+    assert line.startswith("1 rank(s): fastest device@w1 (51,200 samples/s), +30.0% [")
+    assert "] over cpu@w1: faster beyond noise (p=" in line and line.endswith("the noise allows the decision")
+    noisy = [make_record("device", step_times=_repeats(10, 0.1)), make_record("cpu", step_times=_repeats(10.5, 0.1))]
+    (line,) = verdict(noisy)
+    assert line.startswith("1 rank(s): fastest device@w1 (51,200 samples/s), +5.0% [")
+    assert "] over cpu@w1: cannot judge: noise ±" in line and "wider than the change (+5.0%)" in line
+    busy = [make_record("device", step_times=_repeats(10, 0.01), **BUSY), make_record("cpu", step_times=_repeats(13, 0.01))]
+    assert "cannot judge: busy in the best: other processes took 60% of the 2 cores" in verdict(busy)[0]
+    # the report opens with it, before the tables
+    run = write_run(tmp_path / "a", noisy)
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.index("<b>Verdict</b>") < text.index("<h2>Results") and "cannot judge: noise" in text
+
+
+def test_the_cache_curve_draws_freqcache_as_points_and_shades_sizes_below_a_batch(tmp_path):
+    from embbench.cache.curve import measure
+    from embbench.html_report import cache_curve_figure
+
+    rng = np.random.default_rng(0)
+    steps = [rng.zipf(1.3, 200) % 2000 for _ in range(12)]  # ~100 distinct rows a batch
+    ratios = (0.01, 0.03, 0.1, 0.3)  # 20 and 60 rows: below a batch; 200 and 600: above
+    curve = measure(steps, {"t0": 2000}, ratios, ("lru", "freqcache", "min"), skip=2, freqcache=lambda r: (0.5, 0.4),
+                    freqcache_ratios=(0.01, 0.3))
+    fig = cache_curve_figure(Run(tmp_path, _records()), curve)
+    for ax in fig.axes:
+        (shade,) = [p for p in ax.patches if p.get_label() == "below one batch's distinct rows"]
+        left, right = shade.get_x(), shade.get_x() + shade.get_width()
+        assert left < 0.01 and 0.03 < right < 0.1
+    freqcache = next(ax for ax in fig.axes if ax.get_title() == "freqcache")
+    (line,) = [l for l in freqcache.get_lines() if l.get_label() == "freqcache (curve)"]
+    assert line.get_linestyle() == "None" and line.get_marker() == "o" and list(line.get_xdata()) == [0.01, 0.3]
+    (lru,) = [l for l in fig.axes[0].get_lines() if l.get_label() == "lru (curve)"]
+    assert lru.get_linestyle() == "-"  # measured at every size: a line
