@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embbench.disk import pagefile as pagefile_module
+from embbench.cli import disk as disk_command
 from embbench.disk import probe as probe_module
 from embbench.disk import reader as reader_module
 from embbench.disk.layout import PAGE
@@ -341,7 +342,7 @@ def test_reader_arguments_are_checked():
 
 def probe_args(*argv: str):
     parser = argparse.ArgumentParser()
-    probe_module.add_arguments(parser)
+    disk_command._add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -383,11 +384,11 @@ def test_the_scratch_file_is_removed_when_the_probe_is_stopped(drive_dir, monkey
 
 
 def test_the_command_prints_the_table(drive_dir, capsys):
-    assert probe_module.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "1,2",
+    assert disk_command.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "1,2",
                                         "--file-size", "256KiB")) == 0
     out = capsys.readouterr().out
     assert "drive reads/s" in out and "reader from" in out and mount_of(drive_dir).filesystem in out
-    assert probe_module.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "3",
+    assert disk_command.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "3",
                                         "--file-size", "64KiB", "--json")) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["drive"][0]["depth"] == 3 and record["path"] == str(drive_dir)
@@ -398,17 +399,17 @@ def test_the_command_refuses_a_bad_folder_in_one_line(drive_dir, capsys, monkeyp
     cases = {str(drive_dir / "absent"): f"{drive_dir / 'absent'}: no such folder",
              str(drive_dir / "file"): f"{drive_dir / 'file'} is not a folder"}
     for folder, message in cases.items():
-        assert probe_module.main(probe_args(folder)) == 2
+        assert disk_command.main(probe_args(folder)) == 2
         assert capsys.readouterr().err == f"embbench disk: {message}\n"
     with monkeypatch.context() as patched:
         patched.setattr(probe_module.os, "access", lambda path, mode: False)
-        assert probe_module.main(probe_args(str(drive_dir))) == 2
+        assert disk_command.main(probe_args(str(drive_dir))) == 2
         assert capsys.readouterr().err == f"embbench disk: {drive_dir} is not writable: the probe writes a scratch file there\n"
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(pagefile_module.shutil, "disk_usage", lambda folder: usage(2**40, 2**40 - 2**20, 2**20))
-    assert probe_module.main(probe_args(str(drive_dir))) == 2
+    assert disk_command.main(probe_args(str(drive_dir))) == 2
     assert capsys.readouterr().err == (f"embbench disk: not enough space for the probe's scratch file in {drive_dir}: "
                                        f"needs 1.00 GiB, 1.00 MiB free on {mount_of(drive_dir).device}\n")
-    assert probe_module.main(probe_args(str(drive_dir), "--depths", "1,x")) == 2
+    assert disk_command.main(probe_args(str(drive_dir), "--depths", "1,x")) == 2
     assert "--depths '1,x': expected numbers separated by commas" in capsys.readouterr().err
     assert list(drive_dir.iterdir()) == [drive_dir / "file"]

@@ -12,11 +12,8 @@ numbers are None.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import secrets
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +24,7 @@ from embbench.disk.layout import PAGE
 from embbench.disk.pagefile import DirectIOError, PageFile, aligned_pages, ensure_space, mount_of
 from embbench.disk.reader import ENGINES, Reader, get_reader
 
-__all__ = ["DepthRate", "DriveProbe", "add_arguments", "main", "measure_drive"]
+__all__ = ["DEFAULT_DEPTHS", "DepthRate", "DriveProbe", "measure_drive"]
 
 DEFAULT_DEPTHS = (1, 4, 16, 64)
 DEFAULT_FILE_BYTES = 1 << 30
@@ -168,78 +165,3 @@ def _memory_rates(pages: int, depths, engine: str, seconds: float, rng: np.rando
         return [_rate(fd, pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
     finally:
         os.close(fd)
-
-
-# --------------------------------------------------------------------------- the command
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", type=Path, help="a folder on the drive to measure (a scratch file is written there)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="time at each queue depth (default 3)")
-    parser.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)),
-                        help="reads in flight, comma-separated (default %(default)s)")
-    parser.add_argument("--file-size", default="1GiB",
-                        help="the scratch file's size (default %(default)s; larger than the drive's cache is best)")
-    parser.add_argument("--engine", choices=ENGINES, default="pread", help="the reader (default %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-
-
-def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from embbench.recommend import parse_size
-
-    try:
-        depths = tuple(int(d) for d in args.depths.split(","))
-    except ValueError:
-        return _fail(f"--depths {args.depths!r}: expected numbers separated by commas, e.g. 1,4,16,64")
-    try:
-        probe = measure_drive(args.path, args.seconds, depths, parse_size(args.file_size, "--file-size"),
-                              engine=args.engine)
-    except (OSError, ValueError) as error:
-        return _fail(error.strerror if isinstance(error, OSError) and error.strerror else str(error))
-    if args.json:
-        print(json.dumps(probe.as_dict(), indent=2))
-    else:
-        Console().print(probe_table(probe))
-    return 0
-
-
-def _fail(message: str) -> int:
-    print(f"embbench disk: {message}", file=sys.stderr)  # one line, however narrow the terminal
-    return 2
-
-
-def probe_table(probe: DriveProbe):
-    from rich.table import Table
-
-    table = Table(title=f"Random {PAGE // 1024} KiB reads: {probe.path} ({probe.filesystem} on {probe.device})",
-                  caption=_caption(probe))
-    for name in ("in flight", "drive reads/s", "drive MiB/s", "mean latency µs", "reader from memory reads/s"):
-        table.add_column(name, justify="right")
-    for i, memory in enumerate(probe.memory):
-        drive = probe.drive[i] if probe.drive else None
-        table.add_row(str(memory.depth),
-                      *(("—",) * 3 if drive is None else (f"{drive.reads_per_s:,.0f}", f"{drive.mib_per_s:,.1f}",
-                                                           f"{drive.mean_latency_us:,.0f}")),
-                      f"{memory.reads_per_s:,.0f}")
-    return table
-
-
-def _caption(probe: DriveProbe) -> str:
-    from embbench.recommend import format_bytes  # imports torch: only for the command
-
-    lines = [f"reader: {probe.reader}, as many in flight as the row says; its ceiling, from memory: "
-             f"{probe.reader_ceiling:,.0f} reads/s",
-             f"load average {probe.load[0]:.1f} before, {probe.load[1]:.1f} after, on {probe.cpus} CPUs"]
-    if probe.problem:
-        lines.append(f"no drive measured: {probe.problem}")
-    else:
-        lines.append(f"O_DIRECT reads of a {format_bytes(probe.file_bytes)} scratch file; latency = in flight / rate")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m embbench.disk.probe PATH (what `embbench disk PATH` runs)
-    _parser = argparse.ArgumentParser(prog="python -m embbench.disk.probe", description=__doc__.split("\n\n")[0])
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
