@@ -12,6 +12,10 @@ paying the 4-5 s of those imports again. On CUDA each rank is a fresh interprete
 process forked after CUDA's driver was initialised (importing fbgemm_gpu does it) cannot use it. Each rank is still a process of
 its own, in a session of its own, with this process's environment and path at the time the
 cell starts, so a crash or a timeout ends that cell only.
+
+Longer than 600 lines because: a cell's life (preflight, processes, time limit, scratch folder,
+record) is one sequence in :func:`run_cells` whose steps share :class:`CellOutcome` and the
+run's state; the memory preflight (:func:`memory_preflight` and below) is the seam to cut next.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from embbench import cell_process
 from embbench.data.cache import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
-from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status, load_records, provenance, read_record,
+from embbench.provenance import provenance
+from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status, load_records, read_record,
                               scenario_differences, schema_error, write_eval_scores, write_record)
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs

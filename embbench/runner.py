@@ -5,6 +5,9 @@ on a :class:`_Training` (the built model, its sparse module, the batches, the st
 ``python -m embbench.runner SPEC.json`` is what :mod:`embbench.launch` starts, once per
 rank, with torch.distributed's env:// variables set. Rank 0 writes the measurements to the
 spec's ``result`` path; a rank that fails writes ``error.rank<r>.json`` beside it.
+
+Longer than 600 lines because: the recipe is one story told top to bottom, its phases sharing
+one private :class:`_Training`; split into files, a reader would follow one cell across them.
 """
 
 from __future__ import annotations

@@ -192,12 +192,55 @@ def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
 
 def test_each_command_lives_in_its_own_module_of_the_cli_package():
     """``embbench X ...`` is parsed and run by ``embbench/cli/X.py`` (its ``register`` and its
-    ``main``), not by one file holding every command."""
+    ``main``, its own or one it imports: ``disk`` runs :mod:`embbench.disk.probe`'s), not by
+    one file holding every command."""
+    import importlib
+
     from embbench.cli import build_parser
 
     found = dict(_commands(build_parser()))
     assert ("run",) in found and ("data", "prepare") in found and ("trace", "record") in found
     for words, func in found.items():
-        module = "embbench.cli." + words[0]
-        assert func.__module__ == module, f"embbench {' '.join(words)} runs {func.__module__}.{func.__name__}, not {module}"
-        assert (ROOT / "embbench" / "cli" / f"{words[0]}.py").is_file()
+        assert (ROOT / "embbench" / "cli" / f"{words[0]}.py").is_file(), f"embbench {words[0]}: no embbench/cli/{words[0]}.py"
+        module = importlib.import_module("embbench.cli." + words[0])
+        assert getattr(module, func.__name__, None) is func, \
+            f"embbench {' '.join(words)} runs {func.__module__}.{func.__name__}, not a function of {module.__name__}"
+
+
+#: How long a module may grow before it says, at its top, why it stays whole.
+MAX_LINES = 600
+#: The line of a module's docstring that gives that reason.
+REASON = "Longer than 600 lines because:"
+
+
+def long_modules(root: Path = ROOT) -> list[str]:
+    """``path: N lines`` for each module of the packages longer than :data:`MAX_LINES` whose
+    docstring has no line starting with :data:`REASON` followed by the reason."""
+    found = []
+    for path in _modules(root).values():
+        lines = len(path.read_text().splitlines())
+        if lines <= MAX_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+        if not any(line.startswith(REASON) and line[len(REASON):].strip() for line in doc.splitlines()):
+            found.append(f"{path.relative_to(root)}: {lines} lines")
+    return sorted(found)
+
+
+def test_no_module_is_longer_than_600_lines_without_saying_why_at_its_top():
+    assert long_modules() == [], (f"split these along a seam, or give their docstring a line '{REASON} ...': "
+                                  f"{long_modules()}")
+
+
+def test_the_length_check_finds_a_long_module_without_a_reason(tmp_path):
+    body = "x = 1\n" * MAX_LINES
+    for package, files in {"embbench": {"short.py": body, "long.py": '"""A module."""\n' + body,
+                                        "empty_reason.py": f'"""A module.\n\n{REASON}\n"""\n' + body,
+                                        "said.py": f'"""A module.\n\n{REASON} it is one table.\n"""\n' + body},
+                           "baselines": {"long.py": body + "y = 2\n"}}.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        for name, text in files.items():
+            (tmp_path / package / name).write_text(text)
+    assert long_modules(tmp_path) == ["baselines/long.py: 601 lines", "embbench/empty_reason.py: 604 lines",
+                                      "embbench/long.py: 601 lines"]

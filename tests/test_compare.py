@@ -20,7 +20,8 @@ from embbench.columns import flat_row, speed
 from embbench.compare import (
     CANNOT_JUDGE, TEST, cannot_judge, compare_records, load_runs, parse_percent, regressions, repeat_test, what_differs,
 )
-from embbench.results import Record, provenance
+from embbench.provenance import provenance
+from embbench.results import Record
 from embbench.stats import log_t_interval
 
 

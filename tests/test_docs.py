@@ -153,3 +153,24 @@ def test_a_test_that_runs_a_shipped_scenario_is_in_the_slow_tier_and_the_readme_
     assert unmarked == []
     readme = (ROOT / "README.md").read_text()
     assert '-m "not slow"' in readme and "--durations" in readme
+
+
+#: The README is a newcomer's path; designs and measured tables live in docs/.
+README_MAX_LINES = 400
+
+
+def test_the_readme_stays_a_newcomers_path_with_its_map_of_the_code():
+    """At most 400 lines, the two commands first, and the architecture map naming where each
+    part of the code lives now (a map that names a file that moved misleads)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = readme.splitlines()
+    assert len(lines) <= README_MAX_LINES, (f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move designs "
+                                            "and measured tables to docs/ and link them")
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[0] == "## Two commands"
+    assert "scripts/setup_env.sh && .venv/bin/embbench run scenarios/smoke.yaml" in readme
+    mapped = re.findall(r"^\| `(embbench/[^`]*|baselines/)`", readme, flags=re.MULTILINE)
+    assert {"embbench/cli/", "embbench/data/", "embbench/disk/"} <= set(mapped)
+    for path in mapped:
+        assert (ROOT / path).exists(), f"the README's map names {path}, which does not exist"
+    assert "`cache.py`" in readme  # the data cache's machinery, in the data/ row

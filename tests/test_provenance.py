@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from embbench import buildinfo
-from embbench.results import code_version, provenance
+from embbench.provenance import code_version, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_git = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")

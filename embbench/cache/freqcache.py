@@ -16,6 +16,10 @@ rows moved while the current one computes (``prefetch``), on a side stream on CU
 are two padded gathers and scatters against the host table: dirty victims out, missing rows
 in. A plan may take cached slots of the running step (as Belady would): those moves (the
 plan's late part) wait for the next forward, when that step has ended.
+
+Longer than 600 lines because: :class:`FreqCache` is one step (lookup, plan, moves, update,
+its CUDA-graph capture) over slot tensors and streams that all its parts share; the helpers
+below the class (:class:`CapturedStep`, :class:`_StreamRecorder`) are the seam if it grows.
 """
 
 from __future__ import annotations
