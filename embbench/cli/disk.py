@@ -12,14 +12,11 @@ from embbench.disk.layout import PAGE
 from embbench.disk.probe import DEFAULT_DEPTHS, DriveProbe, measure_drive
 from embbench.disk.reader import ENGINES
 
-
 def register(sub) -> None:
     parser = sub.add_parser("disk", help="measure a drive's random 4 KiB reads a second (for store: file and "
                                          "curve --tiers) beside the reader's ceiling")
     _add_arguments(parser)
     parser.set_defaults(func=main)
-
-
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path, help="a folder on the drive to measure (a scratch file is written there)")
@@ -30,7 +27,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the scratch file's size (default %(default)s; larger than the drive's cache is best)")
     parser.add_argument("--engine", choices=ENGINES, default="pread", help="the reader (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
@@ -52,11 +48,9 @@ def main(args: argparse.Namespace) -> int:
         Console().print(probe_table(probe))
     return 0
 
-
 def _fail(message: str) -> int:
     print(f"embbench disk: {message}", file=sys.stderr)  # one line, however narrow the terminal
     return 2
-
 
 def probe_table(probe: DriveProbe):
     from rich.table import Table
@@ -72,7 +66,6 @@ def probe_table(probe: DriveProbe):
                                                            f"{drive.mean_latency_us:,.0f}")),
                       f"{memory.reads_per_s:,.0f}")
     return table
-
 
 def _caption(probe: DriveProbe) -> str:
     from embbench.recommend import format_bytes  # imports torch: only for the command
