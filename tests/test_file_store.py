@@ -243,3 +243,26 @@ def test_embbench_disk_measures_a_folder_and_names_a_missing_one(tmp_path, capsy
     assert [d["depth"] for d in probe["drive"]] == [1, 4]
     assert main(["disk", str(tmp_path / "nope")]) == 2
     assert str(tmp_path / "nope") in capsys.readouterr().err
+
+
+def test_reads_issued_ahead_are_counted_in_the_step_whose_rows_they_bring(tmp_path):
+    """A timed window's counters must hold the reads of the batches it trains, even when the
+    look-ahead issued them before the window began (and not those it issues for later ones)."""
+    rows = FileRows(tmp_path / "t.rows", 50_000, 10, torch.float32, dram_ratio=1.0, batch_blocks=100)
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 10))
+        batches = [np.arange(k * 4000, k * 4000 + 400, 7) for k in range(6)]
+        for number, batch in enumerate(batches):
+            rows.announce(number, batch)  # all issued now: host memory holds the whole file
+        assert rows.counters()["nvme_pages_read"] == 0  # nothing consumed yet
+        per_batch = []
+        for number, batch in enumerate(batches):
+            before = rows.counters()["nvme_pages_read"]
+            rows.gather(batch, number)
+            rows.release(number)
+            per_batch.append(rows.counters()["nvme_pages_read"] - before)
+        assert per_batch == [len(np.unique(b // rows.rows_per_block)) for b in batches]
+        c = rows.counters()
+        assert c["nvme_pages_read_ahead"] == c["nvme_pages_read"] and c["nvme_read_ns"] > 0
+    finally:
+        rows.close()

@@ -44,8 +44,8 @@ __all__ = ["FileRows", "STORE_COUNTERS"]
 
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
-                  "nvme_pages_written", "nvme_pages_read_on_demand", "nvme_read_ns", "stall_ns",
-                  "prefetch_batches_waited")
+                  "nvme_pages_written", "nvme_pages_read_on_demand", "nvme_pages_read_ahead", "nvme_read_ns",
+                  "stall_ns", "prefetch_batches_waited")
 
 
 @dataclass
@@ -122,7 +122,9 @@ class FileRows:
         self._jobs: deque[_Job] = deque()  # submitted, not reaped, in order
         self._queued: deque[tuple[int, np.ndarray]] = deque()  # announced, not issued: (number, blocks)
         self._pinned: dict[int, np.ndarray] = {}  # issued batch -> its slots
-        self._read_ns = 0  # the worker's (a Python int += under the GIL, read by the caller)
+        # an announced batch's reads and writes, counted when its rows have moved (its reads may
+        # be issued many batches before: the step that uses them is the one they serve)
+        self._issued: dict[int, list[tuple[int, int, Future]]] = {}
         self.counts = dict.fromkeys(STORE_COUNTERS, 0)
 
     # -- what the caller sees --------------------------------------------------------------------
@@ -169,6 +171,11 @@ class FileRows:
 
     def release(self, number: int) -> None:
         """Batch ``number``'s rows have moved: its blocks may be evicted again."""
+        for pages_read, pages_written, job in self._issued.pop(number, []):
+            self.counts["nvme_pages_read"] += pages_read
+            self.counts["nvme_pages_read_ahead"] += pages_read
+            self.counts["nvme_pages_written"] += pages_written
+            self.counts["nvme_read_ns"] += job.result()  # (done: its batch was planned)
         slots = self._pinned.pop(number, None)
         if slots is not None:
             np.subtract.at(self.pins, slots, 1)
@@ -240,7 +247,7 @@ class FileRows:
 
     def counters(self) -> dict[str, int]:
         self._reap()
-        return {**self.counts, "nvme_read_ns": self._read_ns}
+        return dict(self.counts)
 
     def close(self, remove: bool = True) -> None:
         """Stop the background worker and close (and remove) the file; safe to call twice."""
@@ -304,11 +311,11 @@ class FileRows:
     def _submit(self, number: int, leaving: tuple[np.ndarray, np.ndarray], blocks: np.ndarray,
                 slots: np.ndarray) -> None:
         write_blocks, write_slots = leaving
-        self.counts["nvme_pages_written"] += len(write_blocks) * self.block_pages
-        self.counts["nvme_pages_read"] += len(blocks) * self.block_pages
         self.filled_by[slots] = number
         future = self._worker.submit(self._move_blocks, write_blocks, write_slots, blocks, slots)
         self._jobs.append(_Job(number, slots, future))
+        self._issued.setdefault(number, []).append(
+            (len(blocks) * self.block_pages, len(write_blocks) * self.block_pages, future))
 
     def _submit_patch(self, rows: np.ndarray, values: Tensor) -> None:
         """A background job writes ``rows`` into their blocks in the file (which host memory
@@ -329,13 +336,14 @@ class FileRows:
         self.file.write(self._pages_of(blocks), staging)
 
     def _move_blocks(self, write_blocks: np.ndarray, write_slots: np.ndarray, read_blocks: np.ndarray,
-                     read_slots: np.ndarray) -> None:
-        """(On the worker.) Dirty victims out, then the new blocks into their slots."""
+                     read_slots: np.ndarray) -> int:
+        """(On the worker.) Dirty victims out, then the new blocks into their slots; returns the
+        nanoseconds the reads took."""
         if len(write_blocks):
             self._write(write_blocks, write_slots)
         started = time.perf_counter_ns()
         self._read(read_blocks, read_slots)
-        self._read_ns += time.perf_counter_ns() - started
+        return time.perf_counter_ns() - started
 
     def _resident(self, rows: np.ndarray, number: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each row's slot and place in it, once its block is in host memory (waiting for
