@@ -27,7 +27,7 @@ from embbench.outputs import atomic_write, claim_output, head_has
 from embbench.results import RUN_CURVE
 from embbench.table_view import SORT_SCRIPT, html_table
 
-__all__ = ["check_writable", "pareto_front", "render_report", "write_report"]
+__all__ = ["check_writable", "pareto_front", "render_report", "tiers_html", "write_report"]
 
 MiB = 2**20
 
@@ -256,6 +256,21 @@ def plot_cache_curve(run: Run) -> str | None:
     return _png(fig)
 
 
+def tiers_html(runs: list[Run]) -> str:
+    """The memory tiers (``metrics.tiers``) of the cells that record them: a table per run and,
+    with several runs, each against the first (counted: no significance); nothing where no cell
+    records tiers."""
+    from embbench.report import tier_delta_grid, tier_grid
+
+    grids = [tier_grid(run.records, title=f"{run.label}: memory tiers") for run in runs]
+    if not any(grid.rows for grid in grids):
+        return ""
+    if len(runs) > 1:
+        grids += [tier_delta_grid(cells, title=f"{run.label} against {runs[0].label}: memory tiers")
+                  for run, cells in compare_runs(runs)]
+    return "<h2>Memory tiers</h2>" + "".join(_scrolling(html_table(grid)) for grid in grids if grid.rows)
+
+
 def render_report(runs: list[Run]) -> str:
     """The report of one or more runs as one HTML document (the first run is the baseline
     of the comparison)."""
@@ -283,6 +298,7 @@ def render_report(runs: list[Run]) -> str:
                      "than ±10%</p>")
         parts += [_scrolling(html_table(delta_grid(cells, TEST, title=f"{run.label} against {runs[0].label}")))
                   for run, cells in compare_runs(runs)]
+    parts.append(tiers_html(runs))
     sections = [
         ("Throughput against device memory", [plot_pareto(run, strategy_colours(runs)) for run in runs]),
         ("Hit rate against Belady's bound", [plot_hit_rates(runs)]),
