@@ -12,7 +12,7 @@ from typing import Any
 
 from embbench.results import Record
 
-__all__ = ["Speed", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed"]
+__all__ = ["Speed", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed", "tier_columns", "tier_names"]
 
 
 def get(d: Any, *keys: str) -> Any:
@@ -87,7 +87,8 @@ def flat_row(record: Record) -> dict[str, Any]:
 
     Scalars except ``throughput_per_repeat``, ``step_time_repeat_medians`` and ``step_time_samples``
     (lists). Memory is per
-    rank (the largest rank) unless the column says ``all_ranks``; counters are per step.
+    rank (the largest rank) unless the column says ``all_ranks``; counters are per step; the memory
+    tiers' figures are ``tier.<tier>.<field>`` (:func:`tier_columns`).
     """
     p = record.provenance
     row: dict[str, Any] = {
@@ -150,6 +151,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             **{k: m[k] for k in ("ops_per_step", "host_syncs_per_step", "warmup_steps_run", "weights_not_compared",
                                  "train_loss_last10_diff_vs_baseline", "logloss_diff_vs_baseline") if k in m},
             **{f"per_step.{k}": v for k, v in sorted((get(m, "counters", "per_step") or {}).items())},
+            **tier_columns(m),
             "throughput_per_repeat": rate["per_repeat"],
             "step_time_repeat_medians": fast.repeat_medians_s,
             "step_time_samples": step["samples"],
@@ -166,6 +168,17 @@ def flat_row(record: Record) -> dict[str, Any]:
         "cpu": get(p, "devices", "cpu"),
     })
     return row
+
+
+def tier_columns(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics.tiers`` (:func:`embbench.metrics.memory_tiers`) as ``tier.<tier>.<field>``
+    columns, the tiers in the record's order (the device's first)."""
+    return {f"tier.{t['tier']}.{k}": v for t in metrics.get("tiers") or [] for k, v in t.items() if k != "tier"}
+
+
+def tier_names(row: dict[str, Any]) -> list[str]:
+    """The tiers a :func:`flat_row` has columns of, in their order."""
+    return list(dict.fromkeys(k.split(".")[1] for k in row if k.startswith("tier.")))
 
 
 def baseline_throughputs(records: list[Record]) -> dict[tuple[str, int], float]:

@@ -22,6 +22,9 @@ scenario run again: ``compare A A2 B`` holds B to the floor of A against A2).
 :data:`CANNOT_JUDGE`, never with a pass or a fail; a judged cell regresses when it reads
 ``yes`` and its whole ratio interval lies below ``1 - X``.
 
+**Memory tiers** (``metrics.tiers``: :data:`TIER_METRICS`) get deltas per tier and no verdict:
+they are counted over one run's timed steps, not sampled per repeat.
+
 Everything here is a pure function of records; the CLI prints what it returns.
 """
 
@@ -32,15 +35,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from embbench.columns import flat_row, get, gpu_names, speed
+from embbench.columns import flat_row, get, gpu_names, speed, tier_names
 from embbench.results import Record, RecordError, by_scenario, load_records, scenario_differences
 from embbench.scenario import cell_slug
 from embbench.stats import interval_text, spread_text
 
 __all__ = [
-    "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "CellComparison", "Delta", "Metric", "Run", "Significance",
-    "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id", "judge", "load_runs",
-    "parse_percent", "regressions", "repeat_test", "same_code_and_scenario", "to_json", "what_differs",
+    "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "TIER_METRICS", "CellComparison", "Delta", "Metric", "Run",
+    "Significance", "TierMetric", "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id",
+    "judge", "load_runs", "parse_percent", "regressions", "repeat_test", "same_code_and_scenario", "tier_deltas",
+    "to_json", "what_differs",
 ]
 
 ALPHA = 0.05
@@ -75,6 +79,37 @@ METRICS = [
     Metric("hit_rate", "hit rate", True, _first("hit_rate", "unique_hit_rate")),
     Metric("auc", "AUC", True, _first("auc")),
     Metric("logloss", "log-loss", False, _first("logloss")),
+]
+
+
+@dataclass(frozen=True)
+class TierMetric:
+    """A figure of each memory tier (``metrics.tiers``: :func:`embbench.metrics.memory_tiers`),
+    compared tier by tier. It is counted over one run's timed steps, not sampled per repeat, so
+    its change is a delta and never a significance claim."""
+
+    #: the column's name (``--columns``), the same in ``show`` and ``compare``
+    key: str
+    #: the tier's field in the record (``tier.<tier>.<field>`` in :func:`embbench.columns.flat_row`)
+    field: str
+    label: str
+    higher_is_better: bool
+
+    def read(self, row: dict[str, Any], tier: str) -> float | None:
+        return row.get(f"tier.{tier}.{self.field}")
+
+
+#: The tier tables' columns after the cell and its tier, most important first (the label is the header).
+TIER_METRICS = [
+    TierMetric("tier_hit_rate", "hit_rate", "hit rate\n(all)", True),
+    TierMetric("hit_rate_of_reaching", "hit_rate_of_reaching", "hit rate\n(of reaching)", True),
+    TierMetric("stall_seconds_per_step", "stall_seconds_per_step", "stall\na step", False),
+    TierMetric("bytes_read_per_step", "bytes_read_per_step", "read\na step", False),
+    TierMetric("bytes_written_per_step", "bytes_written_per_step", "written\na step", False),
+    TierMetric("ios_per_step", "ios_per_step", "I/Os\na step", False),
+    TierMetric("read_amplification", "read_amplification", "read\namplification", False),
+    TierMetric("reads_per_second", "reads_per_second", "reads/s\nachieved", True),
+    TierMetric("reaching_per_step", "reaching_per_step", "rows reaching\na step", False),
 ]
 
 
@@ -129,6 +164,8 @@ class CellComparison:
     differences: list[str] = field(default_factory=list)  # why the two are not comparable
     deltas: dict[str, Delta] = field(default_factory=dict)
     significance: Significance | None = None
+    #: tier -> TierMetric key -> its delta, for the tiers either record has (counted: no significance)
+    tier_deltas: dict[str, dict[str, Delta]] = field(default_factory=dict)
 
     @property
     def comparable(self) -> bool:
@@ -253,6 +290,14 @@ def _delta(before: float | None, after: float | None, higher_is_better: bool) ->
     return Delta(before, after, relative, direction)
 
 
+def tier_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, Delta]]:
+    """The :data:`TIER_METRICS` of each tier either :func:`embbench.columns.flat_row` has, before
+    and after (a tier only one has: the other side None, no direction)."""
+    tiers = dict.fromkeys(tier_names(before) + tier_names(after))
+    return {tier: {m.key: _delta(m.read(before, tier), m.read(after, tier), m.higher_is_better) for m in TIER_METRICS}
+            for tier in tiers}
+
+
 #: Provenance that must match for numbers to be compared: the software that ran the
 #: strategies (versions) and the hardware. The git commit may differ: that is what one compares.
 _PROVENANCE = ("versions", "devices")
@@ -299,6 +344,7 @@ def compare_records(before: list[Record], after: list[Record], alpha: float = AL
             row_a, row_b = flat_row(a), flat_row(b)
             cell.deltas = {m.key: _delta(m.read(row_a), m.read(row_b), m.higher_is_better) for m in METRICS}
             cell.significance = repeat_test(a.metrics, b.metrics, alpha, threshold)
+            cell.tier_deltas = tier_deltas(row_a, row_b)
         out.append(cell)
     return out
 

@@ -31,7 +31,7 @@ from embbench.results import RUN_CURVE
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["cache_curve_figure", "check_writable", "hit_rates_figure", "pareto_figure", "pareto_front", "render_report",
-           "step_times_figure", "write_report"]
+           "step_times_figure", "tiers_html", "write_report"]
 
 MiB = 2**20
 
@@ -348,6 +348,21 @@ def cache_curve_figure(run: Run, curve: dict):
     return fig
 
 
+def tiers_html(runs: list[Run]) -> str:
+    """The memory tiers (``metrics.tiers``) of the cells that record them: a table per run and,
+    with several runs, each against the first (counted: no significance); nothing where no cell
+    records tiers."""
+    from embbench.report import tier_delta_grid, tier_grid
+
+    grids = [tier_grid(run.records, title=f"{run.label}: memory tiers") for run in runs]
+    if not any(grid.rows for grid in grids):
+        return ""
+    if len(runs) > 1:
+        grids += [tier_delta_grid(cells, title=f"{run.label} against {runs[0].label}: memory tiers")
+                  for run, cells in compare_runs(runs)]
+    return "<h2>Memory tiers</h2>" + "".join(_scrolling(html_table(grid)) for grid in grids if grid.rows)
+
+
 def render_report(runs: list[Run]) -> str:
     """The report of one or more runs as one HTML document (the first run is the baseline
     of the comparison)."""
@@ -376,6 +391,7 @@ def render_report(runs: list[Run]) -> str:
                      "than ±10%</p>")
         parts += [_scrolling(html_table(delta_grid(cells, TEST, title=f"{run.label} against {runs[0].label}")))
                   for run, cells in compare_runs(runs)]
+    parts.append(tiers_html(runs))
     sections = [
         ("Throughput against device memory", [_png(pareto_figure(run, strategy_colours(runs))) for run in runs]),
         ("Hit rate against Belady's bound", [_png(hit_rates_figure(runs))]),

@@ -8,16 +8,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from embbench.columns import baseline_throughputs, device_need_bytes, speed
-from embbench.compare import METRICS, CellComparison, Delta, Significance, repeat_test
+from embbench.columns import baseline_throughputs, device_need_bytes, flat_row, speed, tier_names
+from embbench.compare import METRICS, TIER_METRICS, CellComparison, Delta, Significance, repeat_test
 from embbench.metrics import too_few_eval_samples, unstable_training
 from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes, recommend
 from embbench.results import Record
 from embbench.stats import interval_text
-from embbench.table_view import Column, Grid, Row, View, print_grid
+from embbench.table_view import Column, Grid, Row, View, print_grid, view_part
 
-__all__ = ["DELTA_COLUMNS", "RESULT_COLUMNS", "comparison_grid", "delta_grid", "print_comparison", "print_deltas",
-           "print_recommendations", "print_torchrec_plans", "profile_tables", "verdict"]
+__all__ = ["COMPARE_COLUMNS", "DELTA_COLUMNS", "RESULT_COLUMNS", "SHOW_COLUMNS", "TIER_COLUMNS", "comparison_grid",
+           "delta_grid", "print_comparison", "print_deltas", "print_recommendations", "print_torchrec_plans",
+           "profile_tables", "tier_delta_grid", "tier_grid", "verdict"]
 
 _STATUS_STYLE = {"ok": "green", "unsupported": "yellow", "skipped": "yellow", "error": "red", "oom": "magenta", "timeout": "red",
                  "diverged": "red"}
@@ -149,10 +150,16 @@ def host_device_caption(records: list[Record]) -> str | None:
     return None
 
 
+def _table_order(records: list[Record]) -> list[Record]:
+    """The baseline strategy's cells first, then by world size and id."""
+    baseline_name = records[0].baseline if records else None
+    return sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
+
+
 def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     """One row per cell: speed against the baseline, memory, accuracy, cache counters."""
     baseline_name = records[0].baseline if records else None
-    records = sorted(records, key=lambda r: (r.strategy != baseline_name, r.world_size, r.cell_id))
+    records = _table_order(records)
     baseline_rate = baseline_throughputs(records)
     notes = {
         "throughput": "samples/s: the global batch over the median of the repeats' median steps, with its 95% "
@@ -174,8 +181,12 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
 
 def print_comparison(records: list[Record], console: Console | None = None, title: str | None = None,
                      view: View = View()) -> None:
+    """The results table, the memory tiers' under it where cells record them, and why cells have no
+    numbers or numbers not to bet on."""
     console = console or Console()
-    print_grid(comparison_grid(records, title), console, view)
+    if (results := view_part(view, RESULT_COLUMNS)) is not None:
+        print_grid(comparison_grid(records, title), console, results)
+    _print_tiers(tier_grid(records), console, view)  # right under its results table: it needs no title of its own
     for r in records:  # why a cell has no numbers, or numbers not to bet on
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
@@ -269,7 +280,9 @@ def print_deltas(cells: list[CellComparison], before: str, after: str, test: str
                  view: View = View()) -> None:
     """The delta table, then why cells are not comparable (each distinct reason once)."""
     console.print(Text(f"A = {before}\nB = {after}"))
-    print_grid(delta_grid(cells, test), console, view)
+    if (deltas := view_part(view, DELTA_COLUMNS)) is not None:
+        print_grid(delta_grid(cells, test), console, deltas)
+    _print_tiers(tier_delta_grid(cells), console, view)
     reasons: dict[str, list[str]] = {}
     for cell in cells:
         if cell.differences:
@@ -312,6 +325,119 @@ def verdict(records: list[Record], run_dir: str = "RUN") -> list[str]:
             out.append(f"{head}: not faster beyond noise (p={sig.p_value:.2g}): choose between them by memory or "
                        "accuracy, or run more repeats")
     return out
+
+
+# -- memory tiers (metrics.tiers: the device cache, host memory, a drive) -----------------------------
+
+#: One row per cell and tier; the same columns in show and compare.
+TIER_COLUMNS = [
+    Column("cell", "cell", always=True, justify="left"),
+    Column("tier", "tier", always=True, justify="left"),
+    *[Column(m.key, m.label, always=m.key in ("tier_hit_rate", "hit_rate_of_reaching")) for m in TIER_METRICS],
+]
+
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("s", 1), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:,.2f} {unit}"
+    return "0" if seconds == 0 else f"{seconds * 1e9:,.0f} ns"
+
+
+#: How each tier figure reads (bytes and times in the unit that fits them).
+_TIER_FORMAT = {
+    "tier_hit_rate": _pct, "hit_rate_of_reaching": _pct, "stall_seconds_per_step": _duration,
+    "bytes_read_per_step": format_bytes, "bytes_written_per_step": format_bytes,
+    "ios_per_step": lambda v: f"{v:,.1f}", "read_amplification": lambda v: f"{v:,.2f}x",
+    "reads_per_second": lambda v: f"{v:,.0f}", "reaching_per_step": lambda v: f"{v:,.1f}",
+}
+#: The rows a step moves, shown under its bytes (where the tier counts rows).
+_TIER_ROWS = {"bytes_read_per_step": "rows_read_per_step", "bytes_written_per_step": "rows_written_per_step"}
+_TIER_NOTES = {
+    "tier_hit_rate": "hit rate (all): the share of every distinct row a batch needs that the tier served (the tiers "
+                     "add up to 100%)",
+    "hit_rate_of_reaching": "(of reaching): the share of those that reached it, having missed every tier above",
+    "stall_seconds_per_step": "stall: what a step waited for the drive's reads",
+    "bytes_read_per_step": "read/written: the tier's traffic with the tier below it",
+    "ios_per_step": "I/Os: 4 KiB pages read and written on the drive",
+    "read_amplification": "read amplification: bytes read over the useful rows' bytes",
+    "reads_per_second": "reads/s: pages a second while the drive was read",
+}
+_COUNTED = "counted over the timed steps of one run: a count, not a sample over repeats"
+
+
+def _tier_value(key: str, value: float | None) -> str:
+    return "" if value is None else _TIER_FORMAT[key](value)
+
+
+def _store_notes(records: list[Record]) -> list[str]:
+    """Where each cell's rows file was, and whether its figures are a drive's."""
+    notes = []
+    for r in records:
+        extra = _get(r.metrics, "extra") or {}
+        if extra.get("store") != "file":
+            continue
+        how = "O_DIRECT" if extra.get("store_direct") else f"not a drive's figures: {extra.get('store_direct_problem')}"
+        notes.append(f"{r.cell_id}: rows file on {extra.get('store_filesystem')} ({how}), reader "
+                     f"{extra.get('store_reader')}, host memory holds {extra.get('dram_blocks')} of its "
+                     f"{extra.get('store_blocks')} blocks")
+    return notes
+
+
+def tier_grid(records: list[Record], title: str | None = "memory tiers") -> Grid:
+    """One row per cell and tier of the records with ``metrics.tiers`` (none: a grid without rows)."""
+    rows = []
+    for r in _table_order(records):
+        if r.status != "ok" or not r.metrics:
+            continue
+        flat = flat_row(r)
+        for tier in tier_names(flat):
+            row = Row({"cell": Text(r.cell_id), "tier": tier}, {"cell": r.cell_id, "tier": tier})
+            for m in TIER_METRICS:
+                value = m.read(flat, tier)
+                row.cells[m.key] = _tier_value(m.key, value)
+                row.sort[m.key] = value
+                moved = flat.get(f"tier.{tier}.{_TIER_ROWS.get(m.key)}")
+                if value is not None and moved is not None:
+                    row.cells[m.key] += f"\n{moved:,.1f} rows"
+            rows.append(row)
+    caption = "; ".join([_COUNTED, *_store_notes(records)])
+    return Grid(TIER_COLUMNS, rows, title=title, caption=caption, notes=_TIER_NOTES)
+
+
+def _print_tiers(grid: Grid, console: Console, view: View) -> None:
+    """A tier table, unless no cell has tiers or ``--columns`` picks none of its columns."""
+    if grid.rows and (part := view_part(view, TIER_COLUMNS, keep=["tier"])) is not None:
+        print_grid(grid, console, part)
+
+
+def _tier_delta_text(key: str, delta: Delta) -> Text:
+    """``before → after  +5.2%`` in the figure's own units, the change coloured by direction."""
+    text = Text(f"{_tier_value(key, delta.before) or '-'} → {_tier_value(key, delta.after) or '-'}  ")
+    return text.append_text(_delta_text(delta)) if delta.direction else text
+
+
+def tier_delta_grid(cells: list[CellComparison], title: str = "memory tiers: B against A") -> Grid:
+    """One row per cell and tier compared (:attr:`CellComparison.tier_deltas`): each figure in A
+    and B and its relative change; no significance (counts, not repeats)."""
+    rows = []
+    for cell in cells:
+        for tier, deltas in cell.tier_deltas.items():
+            row = Row({"cell": Text(cell.cell_id), "tier": tier}, {"cell": cell.cell_id, "tier": tier})
+            for m in TIER_METRICS:
+                delta = deltas[m.key]
+                if delta.before is not None or delta.after is not None:
+                    row.cells[m.key] = _tier_delta_text(m.key, delta)
+                    row.sort[m.key] = delta.relative
+            rows.append(row)
+    return Grid(TIER_COLUMNS, rows, title=Text(title, style="bold"), notes=_TIER_NOTES,
+                caption=f"A → B and the relative change; green better, red worse; {_COUNTED}, so no significance "
+                        "is claimed")
+
+
+#: What ``--columns`` may name: in run and show (the results' and tiers' tables), in compare.
+SHOW_COLUMNS = RESULT_COLUMNS + TIER_COLUMNS
+COMPARE_COLUMNS = DELTA_COLUMNS + TIER_COLUMNS
 
 
 def print_recommendations(recs: list[Recommendation], budget: Budget, source: str, console: Console) -> None:

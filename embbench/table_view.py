@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 __all__ = ["FOLDED_IDENTITY", "SORT_SCRIPT", "Column", "Fit", "Grid", "Row", "View", "column_names", "filled_columns",
-           "fit_columns", "fold_id", "html_table", "print_grid", "rich_table"]
+           "fit_columns", "fold_id", "html_table", "print_grid", "rich_table", "view_part"]
 
 Cell = Union[str, Text]
 
@@ -70,6 +70,17 @@ class View:
 
     columns: tuple[str, ...] | None = None
     wide: bool = False
+
+
+def view_part(view: View, columns: Sequence[Column], keep: Sequence[str] = ()) -> View | None:
+    """The part of ``view`` for one of the grids a command prints (``--columns`` names columns of
+    any of them): the columns it picks of this grid's, after ``keep`` (those that tell its rows
+    apart); None where it picks none of them, and the grid is not drawn."""
+    if not view.columns:
+        return view
+    keys = {c.key for c in columns}
+    picked = [k for k in view.columns if k in keys]
+    return View(tuple(dict.fromkeys([*keep, *picked]))) if picked else None
 
 
 def column_names(valid: Sequence[str]):

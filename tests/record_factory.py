@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from embbench.metrics import speed_figures
+from embbench.metrics import memory_tiers, speed_figures
 from embbench.results import Record, write_record
 from embbench.scenario import Cell
 
@@ -20,15 +20,39 @@ PROVENANCE = {
 }
 
 
+#: A row's bytes in the tier counters below: dim 8 in fp32 with a rowwise-adagrad state.
+ROW_BYTES = 36
+
+
+def cache_counters(reached: int, loaded: int, written_back: int = 0) -> dict[str, int]:
+    """A device cache's cumulative counters as :func:`embbench.metrics.memory_tiers` reads them:
+    ``reached`` distinct rows over the batches, ``loaded`` of them into the cache from host
+    memory, ``written_back`` out of it."""
+    return {"unique_accesses": reached, "unique_misses": loaded, "hits": 0, "accesses": 0,
+            "bytes_h2d": loaded * ROW_BYTES, "bytes_d2h": written_back * ROW_BYTES, "rows_written_back": written_back}
+
+
+def file_store_counters(reached: int, loaded: int, dram_misses: int, pages_read: int, pages_written: int = 0,
+                        stall_s: float = 0.0, read_s: float = 0.0, dram_write_backs: int = 0) -> dict[str, int]:
+    """:func:`cache_counters` of a cache whose host rows are in a file (``store: file``): of the
+    ``loaded`` rows, ``dram_misses`` were not in host memory and came from the drive's pages."""
+    return {**cache_counters(reached, loaded, dram_write_backs), "dram_loads": loaded, "dram_load_misses": dram_misses,
+            "dram_write_backs": dram_write_backs, "dram_write_misses": 0, "nvme_pages_read": pages_read,
+            "nvme_pages_written": pages_written, "nvme_pages_read_on_demand": 0, "nvme_pages_read_ahead": pages_read,
+            "nvme_read_ns": int(read_s * 1e9),
+            "stall_ns": int(stall_s * 1e9), "prefetch_batches_waited": 0}
+
+
 def make_record(strategy: str = "device", params: dict | None = None, world_size: int = 1, status: str = "ok",
                 step_times: list[float] | None = None, repeats: int = 3, device_bytes: int = 1 << 30,
                 peak_bytes: int | None = None, host_bytes: int = 0, hit_rate: float | None = None,
                 unique_hit_rate: float | None = None, extra: dict | None = None, auc: float | None = 0.75,
                 digest: str = "d" * 64, provenance: dict | None = None, per_rank: list | None = None,
                 message: str | None = None, baseline: str = "device", row_precision: str = "fp32",
-                **metric_overrides: Any) -> Record:
+                tier_counters: dict[str, int] | None = None, **metric_overrides: Any) -> Record:
     """A record whose step times (seconds) are ``step_times`` split into ``repeats`` repeats (in
-    order), its speed figures made as the runner makes them."""
+    order), its speed figures made as the runner makes them; with ``tier_counters`` (the cache's
+    cumulative counters over those steps), its ``metrics.tiers`` too."""
     cell = Cell(strategy, params or {}, world_size, row_precision)
     metrics = None
     if status == "ok":
@@ -46,6 +70,7 @@ def make_record(strategy: str = "device", params: dict | None = None, world_size
             "extra": extra or {},
             "per_rank": per_rank,
             "weights_file": None,
+            **({"tiers": memory_tiers(tier_counters, len(step_times), ROW_BYTES)} if tier_counters else {}),
             **metric_overrides,
         }
     if status != "ok" and message is None:

@@ -17,7 +17,7 @@ from rich.console import Console
 from conftest import tiny_scenario
 from embbench import cli
 from embbench.compare import compare_records
-from embbench.report import DELTA_COLUMNS, RESULT_COLUMNS, print_comparison, print_deltas
+from embbench.report import COMPARE_COLUMNS, DELTA_COLUMNS, RESULT_COLUMNS, SHOW_COLUMNS, print_comparison, print_deltas
 from embbench.table_view import View
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,9 +187,10 @@ def test_an_unknown_column_is_exit_2_listing_the_valid_names(tmp_path, capsys, m
     run = str(write_run(tmp_path / "run", [make_record("device")]))
     argv = {"show": ["show", run], "compare": ["compare", run, run], "run": ["run", "scenarios/smoke.yaml"]}[command]
     code, out, err = _cli(capsys, monkeypatch, 100, *argv, "--columns", "auc,thruput")
-    valid = DELTA_COLUMNS if command == "compare" else RESULT_COLUMNS
+    valid = COMPARE_COLUMNS if command == "compare" else SHOW_COLUMNS  # the results' (or deltas') and the tiers' tables
     assert code == 2 and out == ""
-    assert "--columns: unknown column 'thruput'; valid: " + ", ".join(c.key for c in valid) in " ".join(err.split())
+    names = dict.fromkeys(c.key for c in valid)
+    assert "--columns: unknown column 'thruput'; valid: " + ", ".join(names) in " ".join(err.split())
 
 
 def test_columns_and_wide_are_not_for_the_csv_or_json_export(tmp_path, capsys, monkeypatch):
@@ -237,6 +238,7 @@ def test_run_prints_a_table_that_fits_columns_and_a_footer(tmp_path):
 
 def test_show_and_compare_name_each_quantity_alike():
     """``--columns`` takes the same name for a quantity in show and compare (and the CSV's)."""
-    shown, compared = {c.key for c in RESULT_COLUMNS}, {c.key for c in DELTA_COLUMNS}
-    both = {"throughput", "step_time", "device_bytes", "host_bytes", "hit_rate", "auc", "logloss"}
+    shown, compared = {c.key for c in SHOW_COLUMNS}, {c.key for c in COMPARE_COLUMNS}
+    both = {"throughput", "step_time", "device_bytes", "host_bytes", "hit_rate", "auc", "logloss", "tier_hit_rate",
+            "hit_rate_of_reaching", "stall_seconds_per_step", "bytes_read_per_step", "reads_per_second"}
     assert both <= shown and both <= compared

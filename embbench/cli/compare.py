@@ -9,7 +9,7 @@ import json
 from rich.text import Text
 
 from embbench.cli.shared import add_view_flags, console, runs_from, view_of
-from embbench.report import DELTA_COLUMNS
+from embbench.report import COMPARE_COLUMNS
 
 
 def _precision_pairs(runs, threshold: float | None):
@@ -75,5 +75,5 @@ def register(sub) -> None:
                            "with rows in fp16/bf16/fp8 against the same strategy, parameters and ranks in fp32")
     comp_output = comp.add_mutually_exclusive_group()
     comp_output.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    add_view_flags(comp, DELTA_COLUMNS, comp_output)
+    add_view_flags(comp, COMPARE_COLUMNS, comp_output)
     comp.set_defaults(func=main)

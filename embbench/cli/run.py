@@ -22,7 +22,7 @@ from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, 
 from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
-from embbench.report import RESULT_COLUMNS, print_comparison, profile_tables
+from embbench.report import SHOW_COLUMNS, print_comparison, profile_tables
 from embbench.results import run_directory_lock
 from embbench.scenario import load_scenario
 from embbench.strategy import Unsupported
@@ -243,5 +243,5 @@ def register(sub) -> None:
     run.add_argument("--profile", action="store_true",
                      help="a torch.profiler Chrome trace per cell (untimed extra steps) in <run dir>/profiles/, "
                           "top operators in the record")
-    add_view_flags(run, RESULT_COLUMNS)
+    add_view_flags(run, SHOW_COLUMNS)
     run.set_defaults(func=main)

@@ -28,10 +28,10 @@ console = _Console(width=None if (sys.stdout is not None and sys.stdout.isatty()
 
 
 def add_view_flags(parser, columns, group=None) -> None:
-    """``--columns a,b,c`` and ``--wide``: which of a table's ``columns`` are shown (by
+    """``--columns a,b,c`` and ``--wide``: which of the tables' ``columns`` are shown (by
     default, as many as fit the terminal, the others named under the table)."""
     group = group or parser.add_mutually_exclusive_group()
-    names = [c.key for c in columns]
+    names = list(dict.fromkeys(c.key for c in columns))  # a row's identity is in each table
     group.add_argument("--columns", type=column_names(names), metavar="A,B,...",
                        help=f"show these columns of the table (after the cell id): {', '.join(names)}")
     group.add_argument("--wide", action="store_true", help="show every column, however wide the table gets")

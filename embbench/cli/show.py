@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.text import Text
 
 from embbench.cli.shared import add_view_flags, console, skip_damaged, view_of
-from embbench.report import RESULT_COLUMNS, print_comparison, profile_tables
+from embbench.report import SHOW_COLUMNS, print_comparison, profile_tables
 from embbench.results import RecordError, by_scenario, load_records, scenario_differences
 
 
@@ -71,5 +71,5 @@ def register(sub) -> None:
     export = show.add_mutually_exclusive_group()
     export.add_argument("--csv", action="store_true", help="one row per cell, flat columns, for spreadsheets")
     export.add_argument("--json", action="store_true", help="the same rows as a JSON list, for notebooks")
-    add_view_flags(show, RESULT_COLUMNS, export)
+    add_view_flags(show, SHOW_COLUMNS, export)
     show.set_defaults(func=main)
