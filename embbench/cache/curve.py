@@ -19,6 +19,11 @@ ids of a row share its fate), then the cache is updated. Hit rates are counted p
   read off one pass over the stream as the rank of each accessed row (Mattson). Rows of
   equal key (used in the same step) have no order: each is ranked at random among them,
   and the hit rates are their exact expectation.
+
+Where the tier below needs to know *which* rows miss and which leave the cache (in training
+every row a step uses is updated, so each is written back as it leaves),
+:func:`stack_trace` and :func:`min_trace` run one capacity row by row on the same model: a
+:class:`CacheTrace`.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from typing_extensions import TypedDict
 from embbench.bounds import Count, NonNegative, PositiveCount, Rate
 from embbench.inputs import open_schema as _open, read_json, validated
 
-__all__ = ["CURVE_FORMAT", "CurveFile", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure", "min_hits",
-           "read_curve", "stack_hits", "step_rows", "to_csv"]
+__all__ = ["CURVE_FORMAT", "CacheTrace", "CurveFile", "DEFAULT_RATIOS", "POLICIES", "StepRows", "capacity_of", "knee", "measure",
+           "min_hits", "min_trace", "read_curve", "stack_hits", "stack_trace", "step_rows", "to_csv"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,13 @@ class StepRows:
         """The step of each entry."""
         return np.repeat(np.arange(self.num_steps, dtype=np.int64), np.diff(self.start))
 
+    def previous(self) -> np.ndarray:
+        """Each entry's previous use of its row (an entry; -1: none)."""
+        previous = np.full(len(self.rows), -1, np.int64)
+        again = np.flatnonzero(self.following >= 0)
+        previous[self.following[again]] = again
+        return previous
+
     def split(self, group: np.ndarray, groups: int) -> list["StepRows"]:
         """The entries of each group (``group``: each entry's, in ``[0, groups)``; all uses
         of a row in one group, e.g. its table)."""
@@ -82,6 +94,22 @@ class StepRows:
             parts.append(StepRows(rows[part], counts[part], prev[part], following[part] - first[g], nth[part],
                                   np.concatenate([[0], np.cumsum(sizes[g])])))
         return parts
+
+
+@dataclass(frozen=True)
+class CacheTrace:
+    """One cache at one capacity run row by row over a :class:`StepRows`: which entries miss
+    (``missed``, one flag per entry), and the rows that leave the cache at each step
+    (``evicted[t]``; a row the step used and the cache did not keep leaves at that step)."""
+
+    missed: np.ndarray
+    evicted: list[np.ndarray]
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``arange(starts[i], starts[i] + lengths[i])`` for every ``i``, one after another."""
+    lengths = np.asarray(lengths, np.int64)
+    return np.repeat(np.asarray(starts, np.int64) - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
 
 
 def _distinct(ids) -> tuple[np.ndarray, np.ndarray]:
@@ -157,12 +185,51 @@ class _MinKeys:
             self.adds.append((at + first, many[at], np.bincount(self.end[at + first], many[at], num + 1).astype(np.int64)))
 
 
+class _MinTrace:
+    """Which rows :func:`min_hits` keeps, for :func:`min_trace`. The rows of a key are
+    interchangeable; of a key's rows (in the order they joined it) the cache holds the last
+    ``held`` to join and loses the first of them: so the rows held are implicit in ``held``."""
+
+    def __init__(self, s: StepRows, k: _MinKeys):
+        self.s = s
+        self.members = np.argsort(k.key, kind="stable")  # each key's entries, in step order
+        self.first = np.searchsorted(k.key[self.members], np.arange(len(k.value) + 1))
+        self.joined = np.zeros(len(k.value), np.int64)  # entries that joined each key so far
+        self.missed = np.ones(len(s.rows), bool)
+        self.evicted = [np.empty(0, np.int64)] * s.num_steps
+
+    def _held(self, keys: np.ndarray, skipped: np.ndarray, many: np.ndarray) -> np.ndarray:
+        """Entries of ``keys``: ``many`` of each after the first ``joined - skipped``."""
+        return self.members[_ranges(self.first[keys] + self.joined[keys] - skipped, many)]
+
+    def hit(self, lo: int, hi: int, held: np.ndarray) -> None:
+        """The keys ``[lo, hi)`` end: the rows held of them hit."""
+        keys = lo + np.flatnonzero(held[lo:hi])
+        self.missed[self.s.following[self._held(keys, held[keys], held[keys])]] = False
+
+    def evict(self, t: int, first_key: int, before: np.ndarray, after: np.ndarray) -> None:
+        """Step ``t`` cut the rows held of keys from ``first_key`` from ``before`` to ``after``."""
+        cut = np.flatnonzero(before > after)
+        self.evicted[t] = self.s.rows[self._held(first_key + cut, before[cut], before[cut] - after[cut])]
+
+
+def min_trace(s: StepRows, capacity: int, keys: _MinKeys | None = None) -> CacheTrace:
+    """:func:`min_hits`' cache row by row: which entries miss, which rows leave at each step
+    (of rows with the same future, the ones that joined it first)."""
+    trace = _MinTrace(s, keys or _MinKeys(s))
+    min_hits(s, capacity, keys=keys, trace=trace)
+    return CacheTrace(trace.missed, trace.evicted)
+
+
 def min_hits(s: StepRows, capacity: int, skip: int = 0, prefilled: bool = False,
-             keys: _MinKeys | None = None) -> tuple[int, int, int, int]:
+             keys: _MinKeys | None = None, trace: _MinTrace | None = None) -> tuple[int, int, int, int]:
     """Belady's MIN with bypass on ``s`` at ``capacity`` rows (see the module docstring and
     :func:`embbench.metrics.belady_hit_rates`): ``(hits, accesses, distinct hits, distinct
     rows)`` over the steps from ``skip``. ``prefilled``: a row that finds a free slot hits.
-    ``keys``: the stream's keys, to share between capacities."""
+    ``keys``: the stream's keys, to share between capacities. ``trace``: told which rows
+    hit and leave (:func:`min_trace`)."""
+    if trace is not None and prefilled:
+        raise ValueError("min_hits: a prefilled cache is not traced (its free slots hold no row in particular)")
     k = keys or _MinKeys(s)
     offset, value = k.offset, k.value
     held = np.zeros(len(value), np.int64)  # surviving rows per key
@@ -183,11 +250,15 @@ def min_hits(s: StepRows, capacity: int, skip: int = 0, prefilled: bool = False,
                 soonest = new[np.argsort(k.key[new], kind="stable")[: capacity - size]]
                 hits += int(s.counts[soonest].sum())
                 distinct_hits += len(soonest)
+        if trace is not None:
+            trace.hit(lo, hi, held)
         held[lo:hi] = 0
         per_end[t] = 0
         size -= ending
         at, many, ends = k.adds[t]
         held[at] += many
+        if trace is not None:
+            trace.joined[at] += many
         per_end += ends
         size += int(many.sum())
         if size > capacity:  # keep the best ``capacity``: cut at the key where they run out
@@ -197,9 +268,13 @@ def min_hits(s: StepRows, capacity: int, skip: int = 0, prefilled: bool = False,
             inside = np.cumsum(held[offset[e] : offset[e + 1]])
             j = int(np.searchsorted(inside, capacity - before))
             cut = offset[e] + j
+            touched = slice(cut, max(top, cut + 1, int(at[-1]) + 1 if len(at) else 0))
+            was = held[touched].copy() if trace is not None else None
             held[cut] = capacity - before - (int(inside[j - 1]) if j else 0)
             held[cut + 1 : max(top, cut + 1)] = 0
             held[at[at > cut]] = 0
+            if trace is not None:
+                trace.evict(t, cut, was, held[touched])
             per_end[e], per_end[e + 1 :] = capacity - before, 0
             size, top = capacity, cut + 1
         elif len(at):
@@ -256,6 +331,52 @@ def stack_hits(s: StepRows, capacities, policy: str, skip: int = 0) -> tuple[np.
         else:
             held[t] = here.stop - here.start
     return hits, distinct_hits
+
+
+def stack_trace(s: StepRows, capacity: int, policy: str, tie: np.ndarray | None = None, seed: int = 0) -> CacheTrace:
+    """LRU or LFU (``policy``) at ``capacity`` rows, row by row: the cache of
+    :func:`stack_hits` with rows of equal rank ordered by ``tie`` (one value per entry, the
+    higher kept; by default drawn at random from ``seed``, so the hit rates average to
+    :func:`stack_hits`' over seeds).
+
+    Every entry joins its class (LRU: its step; LFU: its uses so far and its step) when its
+    step comes, and leaves it at its row's next use. Entries in (class, tie) order: the cache
+    holds the entries alive from a cut on, and the cut only moves up (a rank changes only by
+    a use, which raises it), so the whole run walks each entry once."""
+    if policy not in ("lru", "lfu"):
+        raise ValueError(f"stack_trace: policy {policy!r} is not lru or lfu")
+    num = s.num_steps
+    step = s.step_of()
+    if tie is None:
+        tie = np.random.default_rng(seed).random(len(s.rows))
+    ranked = np.lexsort((tie, step if policy == "lru" else s.nth * num + step))  # worst first
+    position = np.empty(len(ranked), np.int64)
+    position[ranked] = np.arange(len(ranked))
+    previous = s.previous()
+    ends = np.full(len(s.rows), num, np.int64)  # the step at which each entry stops being its row's
+    again = s.following >= 0
+    ends[again] = step[s.following[again]]
+    missed = np.ones(len(s.rows), bool)
+    evicted = []
+    cut = held = 0  # the cache: the live entries ranked from ``cut`` on, ``held`` of them
+    for t in range(num):
+        here = s.step(t)
+        before = previous[here]
+        hit = before >= 0
+        hit[hit] = position[before[hit]] >= cut
+        missed[here] = ~hit
+        joins = position[here] >= cut
+        out = [s.rows[here][~joins]]  # used and not kept: out again at once
+        held += int(joins.sum()) - int(hit.sum())
+        while held > capacity:  # the lowest live entries leave
+            window = ranked[cut : cut + 4 * (held - capacity) + 1024]
+            alive = window[(step[window] <= t) & (ends[window] > t)]
+            leaving = alive[: held - capacity]
+            out.append(s.rows[leaving])
+            held -= len(leaving)
+            cut = int(position[leaving[-1]]) + 1 if len(leaving) else cut + len(window)  # just past the last to leave
+        evicted.append(np.concatenate(out))
+    return CacheTrace(missed, evicted)
 
 
 #: Default cache sizes: 12 ratios of the rows, log-spaced from 0.1 % to 20 %.
