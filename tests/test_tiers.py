@@ -295,3 +295,26 @@ def test_curve_tiers_prints_the_table_and_writes_the_section(capsys, tmp_path, m
     out.write_text(json.dumps(damaged))
     with pytest.raises(ValueError, match=r"entries\.0\.dram\.hit_rate"):
         read_tiers(out)
+
+
+def test_the_table_s_numbers_have_two_significant_digits_and_units_that_scale():
+    from embbench.cache.tiers import _duration, _number, _percent
+
+    assert [_percent(r) for r in (0.973, 0.0052, 0.9996, 0.99999, 1e-9, 1.0, 0.0)] == [
+        "97%", "0.52%", "99.96%", "99.999%", "0.00000010%", "100%", "0%"]  # near 100% the misses show
+    assert [_number(n) for n in (0, 0.5, 9.94, 440, 37000, 1.26e6, 2.04e9)] == ["0", "0.50", "9.9", "440", "37k", "1.3M", "2.0G"]
+    assert [_duration(ms) for ms in (0.0341, 12.3, 2500)] == ["34 µs", "12 ms", "2.5 s"]
+
+
+def test_freqcache_is_simulated_once_a_size_for_the_curve_and_the_tiers(monkeypatch):
+    from embbench.cache import sweep
+
+    calls = []
+    real = sweep.simulate
+    monkeypatch.setattr(sweep, "simulate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(4)
+    steps = [np.minimum(rng.zipf(1.2, 200) - 1, 999) for _ in range(12)]
+    point = _freqcache(steps, 1000, 4, 2)
+    first, again = [], []
+    assert point(0.05, lambda *m: first.append(m)) == point(0.05, lambda *m: again.append(m))
+    assert len(calls) == 1 and len(first) == len(again) > 0

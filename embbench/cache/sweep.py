@@ -136,13 +136,21 @@ def freqcache_policy(batch_rows, num_rows: int, batch_ids: int, profile_batches:
     planner, TinyLFU admission, automatic look-ahead) on a stream, driven by
     :func:`simulate` exactly as the sweep drives it (``point(ratio, moves)``: and told its
     moves, as :func:`simulate` tells them). ``batch_rows(i)``:
-    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead)."""
+    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead).
+    Each ratio is simulated once: the curve and the tier model ask for the same one."""
+    runs: dict[float, tuple[tuple[float, float], list]] = {}
 
     def point(ratio: float, moves=None) -> tuple[float, float]:
-        w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
-        r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
-                     batch_rows=batch_rows, moves=moves)
-        return r["hit_rate"], r["unique_hit_rate"]
+        if ratio not in runs:
+            told: list = []
+            w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
+            r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
+                         batch_rows=batch_rows, moves=lambda *move: told.append(move))
+            runs[ratio] = (r["hit_rate"], r["unique_hit_rate"]), told
+        rates, told = runs[ratio]
+        for move in told if moves else ():
+            moves(*move)
+        return rates
 
     return point
 

@@ -382,12 +382,10 @@ def _percent(rate: float) -> str:
     value = 100 * rate
     if value in (0, 100):
         return f"{value:.0f}%"
-    digits = 2
-    while True:
-        text = f"{value:#.{digits}g}".rstrip(".")
-        if "e" not in text and float(text) not in (0, 100):
-            return f"{text}%"
-        digits += 1
+    decimals = max(0, 1 - math.floor(math.log10(value)))
+    while round(value, decimals) in (0, 100):
+        decimals += 1
+    return f"{value:.{decimals}f}%"
 
 
 def _two(value: float) -> str:
