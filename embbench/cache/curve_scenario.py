@@ -14,7 +14,7 @@ from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream
 from embbench.recommend import format_bytes
 
-__all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve"]
+__all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve", "scenario_stream"]
 
 #: freqcache's profiled batches (its ``profile_batches`` default), the first of the warm-up.
 FREQCACHE_PROFILE = 32
@@ -39,6 +39,33 @@ def _training_batches(scenario, batches: int):
     return batch_rows, {t.name: t.num_rows for t in tables}
 
 
+#: The last stream read, with its scenario and length: `curve --tiers` models the tiers on
+#: the stream the curve read, without reading it again.
+_last_stream: dict = {}
+
+
+def scenario_stream(scenario, warmup: int, steps: int, progress: Progress | None = None):
+    """The scenario's first ``warmup + steps`` training batches (global rows), each table's
+    rows, and freqcache's policy on them (:func:`embbench.cache.sweep.freqcache_policy`:
+    profiled on the first :data:`FREQCACHE_PROFILE` of the warm-up, counted over the last
+    ``steps``). ``progress`` is told of the batches read."""
+    if _last_stream.get("key") == (id(scenario), warmup, steps) and _last_stream["scenario"] is scenario:
+        return _last_stream["value"]
+    batch_rows, table_rows = _training_batches(scenario, warmup + steps)
+    progress = progress or (lambda what, done, total: None)
+    what, stream = "reading the training batches", []
+    for i in range(warmup + steps):
+        progress(what, i, warmup + steps)
+        stream.append(batch_rows(i))
+    progress(what, warmup + steps, warmup + steps)
+    profile = min(FREQCACHE_PROFILE, warmup)
+    policy = freqcache_policy(batch_rows, sum(table_rows.values()), max(len(b) for b in stream), profile,
+                              warmup - profile, steps, scenario.run.seed)
+    _last_stream.clear()
+    _last_stream.update(key=(id(scenario), warmup, steps), scenario=scenario, value=(stream, table_rows, policy))
+    return stream, table_rows, policy
+
+
 def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: int = 48, steps: int = 64,
                    freqcache_ratios=None, progress: Progress | None = None) -> dict:
     """The curves of the scenario's first ``warmup + steps`` training batches, counted over the
@@ -48,21 +75,10 @@ def scenario_curve(scenario, ratios=DEFAULT_RATIOS, policies=POLICIES, warmup: i
     ``freqcache_ratios``: where freqcache's planner is driven (each a full simulation);
     default the smallest, the middle and the largest of ``ratios``. ``progress``: told of the
     batches read, then of :func:`~embbench.cache.curve.measure`'s work."""
-    batch_rows, table_rows = _training_batches(scenario, warmup + steps)
-    progress = progress or (lambda what, done, total: None)
-    what, stream = "reading the training batches", []
-    for i in range(warmup + steps):
-        progress(what, i, warmup + steps)
-        stream.append(batch_rows(i))
-    progress(what, warmup + steps, warmup + steps)
+    stream, table_rows, freqcache = scenario_stream(scenario, warmup, steps, progress)
     if freqcache_ratios is None:
         ordered = sorted(ratios)
         freqcache_ratios = sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]})
-    freqcache = None
-    if "freqcache" in policies:
-        profile = min(FREQCACHE_PROFILE, warmup)
-        freqcache = freqcache_policy(batch_rows, sum(table_rows.values()), max(len(b) for b in stream), profile,
-                                     warmup - profile, steps, scenario.run.seed)
     row_bytes = 4 * (scenario.data.embedding_dim + scenario.optimizer.embedding.state_width)
     curve = measure(stream, table_rows, ratios, policies, warmup, row_bytes, freqcache, freqcache_ratios, progress)
     curve["scenario"] = {"name": scenario.name, "source": scenario.data.source, "batch_size": scenario.data.batch_size,

@@ -90,10 +90,13 @@ class Workload(Config):
 
 
 def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, warmup_steps: int = 16,
-             steps: int = 64, seed: int = 0, batch_rows: Callable[[int], np.ndarray] | None = None) -> dict:
+             steps: int = 64, seed: int = 0, batch_rows: Callable[[int], np.ndarray] | None = None,
+             moves: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> dict:
     """The policy's and Belady's hit rates on one workload (see the module docstring).
     ``batch_rows(i)``: the rows (global, one per id, ``w.batch_ids`` of them) of training batch
-    ``i`` of another stream (several tables); by default the workload's one synthetic table."""
+    ``i`` of another stream (several tables); by default the workload's one synthetic table.
+    ``moves(i, loaded, written_back)``: told the rows each planned batch ``i`` loads and writes
+    back (the preload's as the last profiled batch's)."""
     if batch_rows is None:
         table = TableSpec("t0", w.rows, 1, 1, w.alpha)
         drift = {"drift_every": w.drift_every, "drift_fraction": w.drift_fraction} if w.drift_every else {}
@@ -115,9 +118,9 @@ def simulate(w: Workload, decay_every: int = 256, profile_batches: int = 32, war
     lookahead = min(lookahead, total - first)
     batches += [batch_rows(i) for i in range(first, total + lookahead)]
     if w.planner == "device":
-        c = _drive_device(w, batches, capacity, lookahead, window_rows, first, total, warmup_steps, decay_every)
+        c = _drive_device(w, batches, capacity, lookahead, window_rows, first, total, warmup_steps, decay_every, moves)
     else:
-        c = _drive_host(w, batches, capacity, lookahead, first, total, warmup_steps, decay_every)
+        c = _drive_host(w, batches, capacity, lookahead, first, total, warmup_steps, decay_every, moves)
     per_access, per_distinct = belady_hit_rates([torch.from_numpy(b) for b in batches[:total]], capacity,
                                                 skip=first + warmup_steps)
     hit, unique_hit = c["hits"] / c["accesses"], 1 - c["unique_misses"] / c["unique_accesses"]
@@ -131,23 +134,34 @@ def freqcache_policy(batch_rows, num_rows: int, batch_ids: int, profile_batches:
                      seed: int = 0):
     """``ratio -> (hit rate, unique hit rate)`` of freqcache's planner at its defaults (device
     planner, TinyLFU admission, automatic look-ahead) on a stream, driven by
-    :func:`simulate` exactly as the sweep drives it. ``batch_rows(i)``:
-    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead)."""
+    :func:`simulate` exactly as the sweep drives it (``point(ratio, moves)``: and told its
+    moves, as :func:`simulate` tells them). ``batch_rows(i)``:
+    training batch ``i``'s global rows (batches past the counted ones feed the look-ahead).
+    Each ratio is simulated once: the curve and the tier model ask for the same one."""
+    runs: dict[float, tuple[tuple[float, float], list]] = {}
 
-    def point(ratio: float) -> tuple[float, float]:
-        w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
-        r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
-                     batch_rows=batch_rows)
-        return r["hit_rate"], r["unique_hit_rate"]
+    def point(ratio: float, moves=None) -> tuple[float, float]:
+        if ratio not in runs:
+            told: list = []
+            w = Workload(alpha=0.0, rows=num_rows, cache_ratio=ratio, batch_ids=batch_ids)
+            r = simulate(w, profile_batches=profile_batches, warmup_steps=warmup_steps, steps=steps, seed=seed,
+                         batch_rows=batch_rows, moves=lambda *move: told.append(move))
+            runs[ratio] = (r["hit_rate"], r["unique_hit_rate"]), told
+        rates, told = runs[ratio]
+        for move in told if moves else ():
+            moves(*move)
+        return rates
 
     return point
 
 
 def _drive_host(w: Workload, batches: list[np.ndarray], capacity: int, lookahead: int, first: int, total: int,
-                warmup_steps: int, decay_every: int) -> dict:
+                warmup_steps: int, decay_every: int, moves=None) -> dict:
     """The host planner's counters over the counted batches."""
     planner = SlotPlanner(w.rows, capacity, w.batch_ids, w.admission, decay_every=decay_every)
-    planner.profile(batches[:first])
+    preloaded = planner.profile(batches[:first])
+    if moves:
+        moves(max(first - 1, 0), preloaded, preloaded[:0])
     unique = [np.unique(b) for b in batches]
     for b in unique[first + 1 : first + 1 + lookahead]:
         planner.expect(b, +1)
@@ -158,18 +172,23 @@ def _drive_host(w: Workload, batches: list[np.ndarray], capacity: int, lookahead
         if i > first and lookahead:  # the batch leaves the window; the next one enters it
             planner.expect(unique[i], -1)
             planner.expect(unique[i + lookahead], +1)
-        running = planner.plan(batches[i], train=True, running=running).id
+        plan = planner.plan(batches[i], train=True, running=running)
+        running = plan.id
+        if moves:
+            moves(i, plan.load_rows, plan.write_back_rows)
     return {k: planner.counters[k] - start.get(k, 0) for k in planner.counters}
 
 
 def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, lookahead: int, window_rows: int, first: int,
-                  total: int, warmup_steps: int, decay_every: int) -> dict:
+                  total: int, warmup_steps: int, decay_every: int, moves=None) -> dict:
     """The device planner's counters over the counted batches (on the CPU), driven as freqcache
     drives it: the window holds the ``lookahead`` batches after the one being planned."""
     rows = [torch.from_numpy(b) for b in batches]
     planner = DevicePlanner(w.rows, capacity, w.batch_ids, lookahead, torch.device("cpu"), w.admission,
                             decay_every=decay_every, window_rows=window_rows)
-    planner.profile(rows[:first])
+    preloaded = planner.profile(rows[:first])
+    if moves:
+        moves(max(first - 1, 0), preloaded.numpy(), np.empty(0, np.int64))
     numbers: dict[int, int] = {}
     running, start = None, {}
     for i in range(first, total):
@@ -178,7 +197,11 @@ def _drive_device(w: Workload, batches: list[np.ndarray], capacity: int, lookahe
         for j in range(i + 1, i + 1 + lookahead):
             if j not in numbers:
                 numbers[j] = planner.enter(rows[j])
-        running = planner.plan(rows[i], train=True, running=running, number=numbers.pop(i, None)).id
+        plan = planner.plan(rows[i], train=True, running=running, number=numbers.pop(i, None))
+        running = plan.id
+        if moves:  # the padding's host row is past the table's
+            loaded, written = plan.load_rows.numpy(), plan.write_back_rows.numpy()
+            moves(i, loaded[loaded < plan.pad_row], written[written < plan.pad_row])
     end = planner.counters()
     return {k: end[k] - start.get(k, 0) for k in end}
 

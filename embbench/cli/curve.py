@@ -27,6 +27,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {out}: give a .json or .csv file name")
         claim_output(out, "--out", "embbench curve", lambda path: head_has(path, CURVE_FORMAT.encode())
                      or head_has(path, b"scope,rows,policy,ratio"), args.overwrite)
+    if (args.iops or args.step_ms) and not args.tiers:
+        raise ValueError("--iops and --step-ms are the drive's and the step's for --tiers: give --tiers too")
+    if args.tiers and out is not None and out.suffix == ".csv":
+        raise ValueError(f"--out {out}: --tiers writes its section into a .json --out, not a .csv")
     elsewhere = sorted(set(args.freqcache_sizes or ()) - set(args.sizes))
     if elsewhere:
         raise ValueError(f"--freqcache-sizes {','.join(map(str, elsewhere))}: not among --sizes "
@@ -37,6 +41,11 @@ def main(args: argparse.Namespace) -> int:
         curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes, progress)
     for shown in curve_tables(curve):
         console.print(shown)
+    if args.tiers:  # the tier model: embbench.cache.tiers
+        from embbench.cache.tiers import scenario_tiers, tiers_table
+
+        curve["tiers"] = scenario_tiers(scenario, args.tiers, args.policies, args.warmup, args.steps, args.iops, args.step_ms)
+        console.print(tiers_table(curve["tiers"], scenario.name))
     if out is not None:
         text = to_csv(curve) if out.suffix == ".csv" else json.dumps(curve, indent=1)
         atomic_write(out, lambda f: f.write(text.encode()), "the curve")  # a full disk leaves no half curve
@@ -80,4 +89,12 @@ def register(sub) -> None:
     curve.add_argument("--overwrite", action="store_true", help="replace an existing --out that is not a curve (never a record)")
     curve.add_argument("--scale", type=positive_flag(float, at_most=1), help="as `run --scale` (synthetic data only)")
     curve.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
+    from embbench.cache.tiers import parse_iops, parse_tiers
+
+    curve.add_argument("--tiers", type=parse_tiers, metavar="hbm=1.5%,dram=10%",
+                       help="also model the tiers: a device cache of that share of the rows over a host cache of that share "
+                            "of the pages over a drive (page reads and writes a batch; in the --out .json as `tiers`)")
+    curve.add_argument("--iops", type=parse_iops, metavar="N", help="with --tiers: the drive's random 4 KiB reads a second "
+                                                                    "(`embbench disk PATH` measures one)")
+    curve.add_argument("--step-ms", type=positive_flag(float), help="with --tiers: a measured step, to say whether the drive keeps up")
     curve.set_defaults(func=main)
