@@ -520,7 +520,10 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
         else:
             if on_start:
                 on_start(cell)
+            started = time.monotonic()
             outcome = execute(cell, weights_dir / f"{cell.slug}.pt" if compare else None)
+            if outcome.metrics is not None:  # start-up to the last rank's end: what --dry-run's estimate reuses
+                outcome.metrics["cell_seconds"] = time.monotonic() - started
             _keep_eval_scores(outcome.metrics, out_dir / EVAL_DIR / f"{cell.slug}.npz")
             record = _new_record(cell_id=cell.id, strategy=cell.strategy, params=cell.params, world_size=cell.world_size,
                                  row_precision=cell.row_precision,

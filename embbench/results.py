@@ -210,6 +210,7 @@ class Metrics(TypedDict):
     warmup_miss_rates: NotRequired[list[Rate | None]]
     empty_slots_at_timing: NotRequired[Count]  # a cache's slots still empty when timing started (this rank)
     build_seconds: NotRequired[NonNegative]
+    cell_seconds: NotRequired[NonNegative]  # the cell's wall time in the launcher, start-up to the last rank's end
     step_time_s: StepTimes
     throughput: Throughput
     threads: NotRequired[Threads]  # intra-op threads per rank (run.threads)

@@ -67,6 +67,7 @@ def test_a_cell_records_its_threads_cpu_time_and_noise(tmp_path):
     m = record.metrics
     assert record.status == "ok" and m["threads"] == 1 and m["usable_cores"] >= 1
     assert 0 < m["cpu_seconds_per_step"]
+    assert m["cell_seconds"] > m["build_seconds"]  # the launcher's wall time of the cell: what --dry-run reuses
     floor = m["noise"]
     assert floor["window_s"] > 0 and 0 <= floor["others_cpu_share"] <= 1 and len(floor["load_1min"]) == 2
     step = m["step_time_s"]

@@ -1,5 +1,5 @@
 """``embbench run``: every cell of a scenario (or ``--dry-run``: what would run, with memory
-estimates), then the comparison table."""
+and time estimates), then the comparison table."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from embbench.cli.data import data_cache, prepare_data
 from embbench.cli.shared import add_view_flags, comma_names, console, view_of
 from embbench.commands import run_command
 from embbench.device import resolve_device
+from embbench.estimate import LONG_RUN_S, at_least, cell_times, duration, is_too_long, over_limit
 from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
 from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
@@ -42,11 +43,12 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:,.3f}"
 
 
-def _dry_run(scenario, cells) -> list[str]:
+def _dry_run(scenario, cells, run_dirs: list[Path]) -> list[str]:
     """The matrix as ``run`` would meet it on this machine (each cell runs, or what ``run`` would
     record without starting it: unsupported, skipped, error, with the reason), the per-rank
     memory estimates here and, for a scenario written for GPUs on a machine without one, on
-    its target device too. Returns the ids of the cells that would be skipped."""
+    its target device too, and the time of each cell that runs (:mod:`embbench.estimate`, from
+    the records in ``run_dirs`` where they match). Returns the ids of the cells that would be skipped."""
     try:
         here = resolve_device(scenario.run.device)
     except Unsupported:
@@ -61,15 +63,20 @@ def _dry_run(scenario, cells) -> list[str]:
     grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
                  header_style="bold", caption=caption)
     for col in ["cell", "device GiB / rank", "host GiB / rank"] + (["on a GPU: device / host GiB"] if on_gpu_too else []) \
-            + ["run here"]:
-        grid.add_column(col, justify="left" if col in ("cell", "run here") else "right")
+            + ["time here (source)", "run here"]:
+        grid.add_column(col, justify="left" if col in ("cell", "run here", "time here (source)") else "right")
     skipped = []
+    estimates, outcomes = {}, {}
     for cell in cells:
         try:
-            estimate = memory_estimate(scenario, cell)
+            estimates[cell.id] = memory_estimate(scenario, cell)
         except Exception:
-            estimate = None  # a broken plugin: outcome_without_launch names it
-        outcome = outcome_without_launch(scenario, cell)
+            estimates[cell.id] = None  # a broken plugin: outcome_without_launch names it
+        outcomes[cell.id] = outcome_without_launch(scenario, cell)
+    times = {t.cell_id: t for t in _cell_times(scenario, [c for c in cells if outcomes[c.id] is None], run_dirs, here,
+                                               estimates)}
+    for cell in cells:
+        estimate, outcome = estimates[cell.id], outcomes[cell.id]
         if estimate is None:
             device = host = None
         elif here is not None and here.type == "cpu":  # the "device" is the host
@@ -85,15 +92,43 @@ def _dry_run(scenario, cells) -> list[str]:
             verdict = Text.assemble((status, "red" if outcome.status == "error" else "yellow"), f": {outcome.message}")
             if outcome.status == "skipped":
                 skipped.append(cell.id)
-        grid.add_row(Text(cell.id), _gib(device), _gib(host), *gpu, verdict)
+        time_here = times.get(cell.id)
+        shown = Text(f"{at_least([time_here])}{duration(time_here.seconds)} ({time_here.source})" if time_here else "-",
+                     style="red" if time_here and time_here.seconds > scenario.run.time_limit_s else "")
+        grid.add_row(Text(cell.id), _gib(device), _gib(host), *gpu, shown, verdict)
     console.print(grid)
+    _say_times(scenario, list(times.values()))
     return skipped
 
 
-def _scale_that_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> str | None:
-    """The ``run`` command at the largest scale (5, 2 or 1 times a power of ten, below the
-    scenario's) at which every cell in ``skipped`` passes the memory preflight on this machine
-    now, or None when none does down to 1e-9."""
+def _cell_times(scenario, cells, run_dirs: list[Path], here, memory: dict) -> list:
+    """:func:`embbench.estimate.cell_times` of the cells that run here, their ranks' bytes from the memory estimates."""
+    def bytes_to_fill(cell):
+        est = memory.get(cell.id)
+        return None if est is None else cell.world_size * (est.device_bytes + est.host_bytes + est.pinned_bytes)
+
+    return cell_times(scenario, cells, run_dirs, here, bytes_to_fill) if cells and here is not None else []
+
+
+def _say_times(scenario, times: list) -> None:
+    """The estimated total, where each cell's time came from, and the cells the time limit would stop."""
+    if not times:
+        return
+    sources = {t.source: t.detail for t in sorted(times, key=lambda t: t.source)}
+    lines = [f"estimated time here: {at_least(times)}{duration(sum(t.seconds for t in times))} for {len(times)} cell(s) "
+             "(start-up + build + steps; ≥: a floor; docs/measurement.md#how-long-a-run-takes)"]
+    lines += [f"  {source}: {detail}" for source, detail in sources.items()]
+    late = over_limit(times, scenario.run.time_limit_s)
+    if late:
+        lines.append(f"{len(late)} cell(s) would hit run.time_limit_s ({duration(scenario.run.time_limit_s)}) and end "
+                     f"as timeout: {', '.join(t.cell_id for t in late)}")
+    console.print(Text("\n".join(lines)), soft_wrap=True)
+
+
+def _scale_that_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> dict | None:
+    """The largest scale (5, 2 or 1 times a power of ten, below the scenario's) at which every
+    cell in ``skipped`` passes the memory preflight on this machine now (the ``run`` flags that
+    make it), or None when none does down to 1e-9."""
     current = scenario.data.scale
     for exponent in range(0, 10):
         for mantissa in (5, 2, 1):
@@ -103,17 +138,57 @@ def _scale_that_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> 
             flags = {**_shape_flags(args), "scale": scale}
             smaller, cells = load_scenario(args.scenario, strategies=args.strategies, **flags)
             if all(outcome_without_launch(smaller, c) is None for c in cells if c.id in skipped):
-                return run_command(args.scenario, strategies=args.strategies, data_cache=args.data_cache, **flags)
+                return flags
     return None
+
+
+def _run_time(args: argparse.Namespace, flags: dict) -> tuple:
+    """The estimated cell times of ``run`` with these flags, and that scenario's time limit."""
+    scenario, cells = load_scenario(args.scenario, strategies=args.strategies, **flags)
+    here = resolve_device(scenario.run.device)
+    runs = [c for c in cells if outcome_without_launch(scenario, c) is None]
+    return _cell_times(scenario, runs, _earlier_run_dirs(args, scenario), here,
+                       {c.id: memory_estimate(scenario, c) for c in runs}), scenario.run.time_limit_s
+
+
+def _fewer_steps(args: argparse.Namespace, flags: dict, steps: int) -> tuple[dict, list]:
+    """The flags with the most measured steps below ``steps`` (halving) at which the run fits
+    :func:`is_too_long`'s bounds, or at ``--steps 1`` when none does; with the times there."""
+    while True:
+        steps = max(1, steps // 2)
+        fewer = {**flags, "steps": steps}
+        times, limit = _run_time(args, fewer)
+        if steps == 1 or not is_too_long(times, limit):
+            return fewer, times
 
 
 def _say_what_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> None:
     if not skipped:
         return
-    command = _scale_that_fits(args, scenario, skipped)
-    console.print(Text(f"{len(skipped)} cell(s) would not fit this machine's memory now: " +
-                       (f"at a scale that fits them all, run\n  {command}" if command else
-                        "no scale down to 1e-9 fits them"), style="yellow"), soft_wrap=True)
+    flags = _scale_that_fits(args, scenario, skipped)
+    if flags is None:
+        console.print(Text(f"{len(skipped)} cell(s) would not fit this machine's memory now: no scale down to 1e-9 "
+                           "fits them", style="yellow"), soft_wrap=True)
+        return
+    command = lambda f: run_command(args.scenario, strategies=args.strategies, data_cache=args.data_cache, **f)  # noqa: E731
+    times, limit = _run_time(args, flags)
+    lines = [f"{len(skipped)} cell(s) would not fit this machine's memory now: at a scale that fits them all, run",
+             f"  {command(flags)}", f"  {_time_line(times, limit)}"]
+    if is_too_long(times, limit):
+        fewer, fewer_times = _fewer_steps(args, flags, load_scenario(args.scenario, **flags)[0].run.steps)
+        fits = not is_too_long(fewer_times, limit)
+        lines += [f"that is {'over an hour' if sum(t.seconds for t in times) > LONG_RUN_S else 'past the time limit'}; "
+                  + ("with fewer measured steps:" if fits else "even one measured step a repeat is too long (the build "
+                     "and warm-up dominate): a smaller --scale or fewer --strategies"),
+                  f"  {command(fewer)}", f"  {_time_line(fewer_times, limit)}"]
+    console.print(Text("\n".join(lines), style="yellow"), soft_wrap=True)
+
+
+def _time_line(times: list, limit: float) -> str:
+    late = over_limit(times, limit)
+    return (f"estimated {at_least(times)}{duration(sum(t.seconds for t in times))} for {len(times)} cell(s), the longest "
+            f"{duration(max((t.seconds for t in times), default=0))} ({', '.join(sorted({t.source for t in times}))})"
+            + (f"; {len(late)} past run.time_limit_s ({duration(limit)})" if late else ""))
 
 
 def _run_directory(path: Path) -> Path:
@@ -128,11 +203,19 @@ def _run_directory(path: Path) -> Path:
     return path
 
 
+def _run_name(scenario) -> str:
+    """The scenario's name as a folder name (characters other than letters, digits, ``.`` and ``-`` as ``_``)."""
+    return re.sub(r"[^\w.-]+", "_", scenario.name, flags=re.ASCII).strip("._") or "scenario"
+
+
 def _default_run_dir(scenario) -> Path:
-    """``results/runs/<scenario's name>-<hash of the effective scenario>`` (the name's characters
-    other than letters, digits, ``.`` and ``-`` as ``_``)."""
-    name = re.sub(r"[^\w.-]+", "_", scenario.name, flags=re.ASCII).strip("._") or "scenario"
-    return Path("results") / "runs" / f"{name}-{scenario.digest()[:10]}"
+    """``results/runs/<scenario's name>-<hash of the effective scenario>``."""
+    return Path("results") / "runs" / f"{_run_name(scenario)}-{scenario.digest()[:10]}"
+
+
+def _earlier_run_dirs(args: argparse.Namespace, scenario) -> list[Path]:
+    """Where earlier runs of the scenario may be: ``--out`` and ``results/runs/<name>-*``."""
+    return ([Path(args.out)] if args.out else []) + sorted((Path("results") / "runs").glob(f"{_run_name(scenario)}-*"))
 
 
 def _shape_flags(args: argparse.Namespace) -> dict:
@@ -151,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(mixed)
     if args.dry_run:
         prepare_data(args.scenario, scenario, data_cache(args), verify=args.verify_data)
-        _say_what_fits(args, scenario, _dry_run(scenario, cells))
+        _say_what_fits(args, scenario, _dry_run(scenario, cells, _earlier_run_dirs(args, scenario)))
         return 0
     _run_directory(out)  # before any data is converted into it
     # One run writes a run directory at a time (rank 0 of a torchrun job writes the records).
@@ -234,7 +317,7 @@ def register(sub) -> None:
     run.add_argument("--strategies", type=comma_names, help="comma-separated subset of the scenario's strategies")
     run.add_argument("--out", help="run directory (default: results/runs/<scenario's name>-<hash>)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in the run directory")
-    run.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates; run nothing")
+    run.add_argument("--dry-run", action="store_true", help="print the matrix with memory and time estimates; run nothing")
     run.add_argument("--force", action="store_true", help="run cells the memory preflight says cannot fit")
     run.add_argument("--data-cache", help="folder of parsed data files, shared across runs (default: results/data-cache)")
     run.add_argument("--verify-data", action="store_true",
