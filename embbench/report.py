@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from rich.console import Console
@@ -255,9 +257,10 @@ DELTA_COLUMNS = [
 _DELTA_VALUES = {"throughput": ",.0f", "auc": ".4f", "logloss": ".4f"}
 
 
-def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A") -> Grid:
+def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A", accuracy: bool = False) -> Grid:
     """One row per cell id: run B (the candidate) against run A (the baseline), signed
-    relative deltas coloured green where better and red where worse."""
+    relative deltas coloured green where better and red where worse. ``accuracy``: the AUC
+    and log-loss columns are kept at any width (where accuracy is the point: row precision)."""
     rows = []
     for cell in cells:
         row = Row({"cell": Text(cell.cell_id), "status": _status_change(cell, "A", "B")},
@@ -270,18 +273,21 @@ def delta_grid(cells: list[CellComparison], test: str, title: str = "B against A
             row.cells["significant"] = _significance_text(cell.significance)
             row.sort["significant"] = cell.significance.p_value if cell.significance else None
         rows.append(row)
-    return Grid(DELTA_COLUMNS, rows, title=Text(title, style="bold"),
+    columns = [dataclasses.replace(c, always=True) if accuracy and c.key in ("auc", "logloss") else c
+               for c in DELTA_COLUMNS]
+    return Grid(columns, rows, title=Text(title, style="bold"),
                 caption=f"relative change of the candidate; green better, red worse; significant: {test}, judged only "
                         "where neither run was busy, each run's noise is below the threshold (--fail-on, else the change) "
                         "and the change is beyond any A/A floor; ~: not judged, and why")
 
 
 def print_deltas(cells: list[CellComparison], before: str, after: str, test: str, console: Console,
-                 view: View = View()) -> None:
-    """The delta table, then why cells are not comparable (each distinct reason once)."""
+                 view: View = View(), accuracy: bool = False) -> None:
+    """The delta table (``accuracy``: its AUC and log-loss at any width), then why cells are
+    not comparable (each distinct reason once)."""
     console.print(Text(f"A = {before}\nB = {after}"))
     if (deltas := view_part(view, DELTA_COLUMNS)) is not None:
-        print_grid(delta_grid(cells, test), console, deltas)
+        print_grid(delta_grid(cells, test, accuracy=accuracy), console, deltas)
     _print_tiers(tier_delta_grid(cells), console, view)
     reasons: dict[str, list[str]] = {}
     for cell in cells:

@@ -263,3 +263,20 @@ def test_memory_estimates_count_rows_in_the_cell_s_precision(strategy, params):
     assert total["fp32"] > total["fp16"] > total["fp8"] > 0
     if strategy in ("device", "cpu", "gpu_sharded", "uvm"):  # the tables and nothing else
         assert {p: total[p] for p in total} == {p: table_bytes(tables, width, p) for p in total}
+
+
+def test_the_precision_compare_keeps_accuracy_at_any_width(tmp_path, capsys, monkeypatch):
+    """Where accuracy is the point (rows in fp16, bf16, fp8 against fp32) the AUC column is not
+    the one a narrow terminal drops (issue 41, item 8)."""
+    from record_factory import write_run
+
+    from embbench.cli import main
+    from embbench.cli.shared import console
+
+    run = write_run(tmp_path / "run", _precision_run())
+    monkeypatch.setattr(console, "width", 110)
+    assert main(["compare", str(run), "--match-on", "strategy"]) == 0
+    table = capsys.readouterr().out
+    assert "AUC" in table and "0.7496" in table  # fp16's AUC beside fp32's
+    hidden = next(line for line in table.splitlines() if line.startswith("hidden:"))
+    assert "auc" not in hidden and "logloss" not in hidden

@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         for run, cells in pairs:
             before = runs[0].label if args.match_on == "cell" else f"{run.label}: the same cell in fp32"
             after = run.label if args.match_on == "cell" else f"{run.label}: rows in fp16, bf16 or fp8"
-            print_deltas(cells, before, after, TEST, console, view_of(args))
+            print_deltas(cells, before, after, TEST, console, view_of(args), accuracy=args.match_on != "cell")
             floor = aa_noise_floor(cells) if args.match_on == "cell" and same_code_and_scenario(runs[0], run) else None
             if floor:
                 console.print(Text(f"A/A: the same scenario and commit twice. Noise floor on this machine: throughput "
