@@ -210,6 +210,8 @@ def _cell_work_dir(path: Path):
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the run's work/ folder too, once no cell has a folder there
+            path.parent.rmdir()
 
 
 def _keep_eval_scores(metrics: dict[str, Any] | None, path: Path) -> None:
