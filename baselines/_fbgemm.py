@@ -30,4 +30,20 @@ __all__ = [
     "CacheParams", "DataType", "DistributedModelParallel", "EmbeddingBagCollection", "EmbeddingBagCollectionSharder",
     "EmbeddingBagConfig", "EmbeddingShardingPlanner", "ParameterConstraints", "PoolingType", "ShardingEnv",
     "Topology",
+    # fbgemm's SSD TBE, on demand
+    "load_ssd_operators", "ssd_tbe",
 ]
+
+
+def ssd_tbe():
+    """fbgemm's SSD TBE: ``(ASSOC, SSDTableBatchedEmbeddingBags, UVMCacheStatsIndex)``, imported
+    on demand (the module is in every wheel; its operators only in builds that have them)."""
+    from fbgemm_gpu.tbe.ssd.common import ASSOC
+    from fbgemm_gpu.tbe.ssd.training import SSDTableBatchedEmbeddingBags, UVMCacheStatsIndex
+
+    return ASSOC, SSDTableBatchedEmbeddingBags, UVMCacheStatsIndex
+
+
+def load_ssd_operators() -> None:
+    """Import fbgemm's SSD package, which loads its operator library where a build ships one."""
+    import fbgemm_gpu.tbe.ssd  # noqa: F401

@@ -42,7 +42,9 @@ _INIT_CHUNK = 1 << 18  # rows written into the store at a time
 @functools.cache
 def missing_ssd_operators() -> tuple[str, ...]:
     """The SSD operators and classes this process's fbgemm_gpu does not register (empty: it has them)."""
-    import fbgemm_gpu.tbe.ssd  # noqa: F401  (loads the SSD operator library where a build ships one)
+    from baselines._fbgemm import load_ssd_operators
+
+    load_ssd_operators()
 
     missing = [f"torch.ops.fbgemm.{op}" for op in SSD_OPERATORS if not hasattr(torch.ops.fbgemm, op)]
     for name in SSD_CLASSES:
@@ -78,10 +80,9 @@ class SsdTables(SparseModule):
 
     def __init__(self, ctx: BuildContext, params: SsdTbeParams):
         super().__init__()
-        from fbgemm_gpu.tbe.ssd.common import ASSOC
-        from fbgemm_gpu.tbe.ssd.training import SSDTableBatchedEmbeddingBags, UVMCacheStatsIndex
+        from baselines._fbgemm import EmbeddingLocation, PoolingMode, SparseType, ssd_tbe
 
-        from baselines._fbgemm import EmbeddingLocation, PoolingMode, SparseType
+        ASSOC, SSDTableBatchedEmbeddingBags, UVMCacheStatsIndex = ssd_tbe()
 
         dim = ctx.tables[0].dim
         if ctx.optimizer.type != "rowwise_adagrad":

@@ -51,10 +51,17 @@ def _no_non_finite(text: str) -> None:
 
 
 def test_every_committed_record_validates():
+    """Every JSON file under results/ is a record, or a curve (with its tiers), and reads as one."""
+    from embbench.cache.curve import CURVE_FORMAT, read_curve
+    from embbench.cache.tiers import read_tiers
+
     files = sorted((ROOT / "results").glob("*/**/*.json"))
     assert len(files) >= 20
     for f in files:
-        read_record(f)  # raises, naming the file and key, if one does not
+        if json.loads(f.read_text()).get("format") == CURVE_FORMAT:
+            read_tiers(f) if "tiers" in json.loads(f.read_text()) else read_curve(f)
+        else:
+            read_record(f)  # raises, naming the file and key, if one does not
 
 
 # --- any mutation of a real record: rejected by name, or shown correctly ------------------------
