@@ -20,7 +20,7 @@ from embbench.cache.file_rows import FileRows
 from embbench.data import SparseFeatures, TableSpec
 from embbench.disk.pagefile import PageFile
 from embbench.optim import EmbeddingOptimizer
-from embbench.row_precision import ROW_PRECISIONS
+from embbench.row_precision import ROW_PRECISIONS, row_type
 from tests.conftest import tiny_scenario, train_and_flush
 from tests.test_freqcache import _context, _train
 
@@ -58,7 +58,7 @@ def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
        precision=st.sampled_from(ROW_PRECISIONS))
 def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
                                                                     precision):
-    per_page = 4096 // (4 * (dim + (opt_type == "rowwise_adagrad")))
+    per_page = 4096 // row_type(precision).row_bytes(dim, int(opt_type == "rowwise_adagrad"))
     tables = [TableSpec("a", 300 * per_page, dim, 2, 1.0), TableSpec("b", 150 * per_page, dim, 1, 1.0)]
     batches = _batches(tables, 10, 16, seed)
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
@@ -267,3 +267,18 @@ def test_reads_issued_ahead_are_counted_in_the_step_whose_rows_they_bring(tmp_pa
         assert c["nvme_pages_read_ahead"] == c["nvme_pages_read"] and c["nvme_read_ns"] > 0
     finally:
         rows.close()
+
+
+def test_a_read_on_demand_never_evicts_a_block_the_same_lookup_uses(tmp_path):
+    """No look-ahead and a small host memory: every plan reads on demand, and the victims it
+    picks must not be the blocks its other rows sit in (they read another block's bytes: found
+    by hypothesis as fp16 and bf16 rows diverging at the fifth step)."""
+    dim = 40
+    tables = [TableSpec("a", 300 * 25, dim, 2, 1.0), TableSpec("b", 150 * 25, dim, 1, 1.0)]
+    batches = _batches(tables, 10, 16, 0)
+    opt = EmbeddingOptimizer(type="sgd", lr=0.2)
+    memory, on_file = _pair(tables, batches, opt, tmp_path, "fp16", dram_ratio=0.45)
+    expected = _train(memory, batches, prefetch=True, lookahead=0)
+    got = _train(on_file, batches, prefetch=True, lookahead=0)
+    assert on_file.counters()["nvme_pages_read_on_demand"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -282,10 +282,13 @@ class FileRows:
                 slots = self.block_slot[blocks]
             self._pinned[number] = slots
 
-    def _evict(self, k: int) -> np.ndarray:
-        """``k`` unpinned slots, empty ones first then the least recently used; their dirty
-        blocks are written by the job that fills them (before it reads)."""
+    def _evict(self, k: int, keep: np.ndarray | None = None) -> np.ndarray:
+        """``k`` unpinned slots, empty ones first then the least recently used, never one of
+        ``keep`` (the slots the caller is about to use); their dirty blocks are written by the
+        job that fills them (before it reads)."""
         free = self.pins == 0
+        if keep is not None:
+            free[keep] = False
         if int(free.sum()) < k:
             raise RuntimeError(f"{self.path}: host memory holds {self.capacity:,} blocks, {int(free.sum()):,} of them "
                                f"free of announced batches: {k:,} more do not fit (a batch touched more blocks than "
@@ -356,7 +359,7 @@ class FileRows:
         on_demand = np.zeros(len(rows), bool)
         if absent.any():
             on_demand = absent
-            self._read_on_demand(np.unique(blocks[absent]))
+            self._read_on_demand(np.unique(blocks[absent]), keep=slots[~absent])
             slots = self.block_slot[blocks]
         if not self.ready[slots].all():
             self._wait_for(int(self.filled_by[slots[~self.ready[slots]]].max()))
@@ -364,10 +367,11 @@ class FileRows:
         missed = on_demand if number is None else on_demand | (self.read_for[slots] == number)
         return slots, rows % self.rows_per_block, missed
 
-    def _read_on_demand(self, blocks: np.ndarray) -> None:
+    def _read_on_demand(self, blocks: np.ndarray, keep: np.ndarray) -> None:
+        """Read ``blocks`` now, into slots other than ``keep`` (those of the caller's other rows)."""
         started = time.perf_counter_ns()
         self._drain()  # a block being evicted is written first; and no job fills a slot taken here
-        victims = self._evict(len(blocks))
+        victims = self._evict(len(blocks), keep)
         write_blocks, write_slots = self._attach(blocks, victims)
         if len(write_blocks):
             self._write(write_blocks, write_slots)
