@@ -223,7 +223,7 @@ class FreqCache(SparseModule):
         self._prefetched: _Prefetched | None = None
         self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
         self._running: int | None = None  # the plan of the last forwarded batch
-        self._plan_batches: dict[int, int | None] = {}  # plan -> its batch's window number (store: file)
+        self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
@@ -269,7 +269,7 @@ class FreqCache(SparseModule):
         closes = train and self._observe(rows)
         number = self._window_number(features)
         pid, step = self.planner.advance(train, running, number)
-        self._moving = self._plan_batches[pid] = number
+        self._moving = number
         if self.file_rows is not None and number is not None:
             self.file_rows.release(number - 2)  # its late moves are done (a plan's come at the next forward)
         if train and step == _STEADY and len(rows) == self.max_ids:  # every timed step
@@ -283,7 +283,7 @@ class FreqCache(SparseModule):
         if closes:
             self._window_end = self.planner.counts.clone()
         if running is not None:
-            self._late = plan
+            self._late, self._late_batch = plan, number
         return plan.slots
 
     def _plan_and_move(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
@@ -457,7 +457,7 @@ class FreqCache(SparseModule):
         ended (its update is queued before this)."""
         plan, self._late = self._late, None
         if plan is not None:
-            self._moving = self._plan_batches.pop(plan.id, None)
+            self._moving = self._late_batch
             with self._on_side():
                 self._device_step("late", plan.write_back_slots, plan.write_back_rows, plan.load_slots,
                                   plan.load_rows, plan.late, plan.live, eligible=True)
