@@ -444,6 +444,13 @@ def _wait(condition, timeout: float = 30.0) -> bool:
     return False
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's default restored in the child: a shell ignores SIGINT in the jobs it starts in
+    the background, and Python then never raises KeyboardInterrupt, so the suite run with `&`
+    would test nohup's behaviour, not a user's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
 def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tmp_path, plugin_path, sig):
@@ -452,7 +459,8 @@ def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tm
     raw = tiny_scenario(run={"time_limit_s": 600}, strategies=[{"name": "sleeps"}], baseline="sleeps")
     harness = subprocess.Popen([sys.executable, "-m", "embbench.cli", "run", str(_write(tmp_path, raw)),
                                 "--out", str(tmp_path / "run")], cwd=ROOT, env=dict(os.environ, TMPDIR=str(scratch)),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_as_from_a_terminal)
     try:
         def ranks() -> list[int]:  # forked by the cell server, itself one of the harness's processes
             workers = _worker_pids(str(scratch), harness.pid)
