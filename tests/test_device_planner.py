@@ -223,6 +223,7 @@ def test_writes_back_only_dirty_rows_and_loads_each_missing_row_once():
 
 
 @pytest.mark.parametrize("ratio,batch_ids,lookahead", [(0.015, 512, 8), (0.05, 256, 8), (0.05, 512, 32)])
+@pytest.mark.slow
 def test_hit_rates_are_the_host_planner_s_within_a_few_tenths_of_a_point(ratio, batch_ids, lookahead):
     """Against the reference model (the NumPy SlotPlanner): a cache smaller and larger than a
     batch's distinct rows (fully associative, the same policy and sketch: they differ only in

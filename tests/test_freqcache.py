@@ -88,6 +88,7 @@ def _check_maps(cache: FreqCache) -> None:
        ratio=st.sampled_from([1e-6, 0.1, 0.3, 1.0]), policy=st.sampled_from(["static", "lfu"]),
        admission=st.sampled_from(["all", "tinylfu"]), prefetch=st.booleans(), lookahead=st.integers(0, 3),
        decay=st.sampled_from([0, 1, 3]), profile=st.integers(0, 2))
+@pytest.mark.slow
 def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, admission, prefetch, lookahead,
                                                      decay, profile):
     tables, batches = stream
@@ -461,6 +462,7 @@ def _steady_counted(compile_: bool, batch: int, steps: int = 14, counted: range 
             counter.ops / len(counted), cache.extra_metrics())
 
 
+@pytest.mark.slow
 def test_compiled_steps_train_exactly_like_eager_ones_with_fewer_operators_the_same_at_any_batch():
     """compile: true fuses the steady-state steps (window entry, plan with its early moves, late
     moves): the same outputs and tables as whole tables, fewer ATen operators a step than
@@ -582,6 +584,7 @@ def test_the_forward_waits_for_no_window_entry_only_for_the_late_moves(monkeypat
     out.sum().backward()
 
 
+@pytest.mark.slow
 def test_with_a_warm_up_bound_timing_starts_once_the_cache_has_no_empty_slot_to_fill(tmp_path):
     """Until its empty slots are full a cache loads without evicting or writing back: cheaper
     than its steady state (issue 42, item 5). The warm-up goes on until none is left (or its

@@ -453,6 +453,7 @@ def _as_from_a_terminal() -> None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
+@pytest.mark.slow
 def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tmp_path, plugin_path, sig):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -489,6 +490,7 @@ def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tm
 # --- under torchrun (class 9) ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_killed_rank_fails_its_cell_and_the_rest_are_recorded_not_run(tmp_path, rank_plugin):
     raw = tiny_scenario(run={"world_size": 2, "time_limit_s": 600},
                         strategies=[{"name": "rank1_dies"}, {"name": "device"}], baseline="rank1_dies")

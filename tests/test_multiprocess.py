@@ -48,6 +48,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, opt_type):
     assert memory["sum"]["static_device_bytes"] >= memory["static_device_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_four_ranks_end_to_end(tmp_path):
     raw = tiny_scenario(run={"world_size": [1, 4], "steps": 2, "repeats": 1},
                         strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.05}}])
@@ -61,6 +62,7 @@ def test_four_ranks_end_to_end(tmp_path):
     assert owned == list(range(26))
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_fails_its_cell_and_the_next_cell_runs(tmp_path, rank_plugin):
     raw = tiny_scenario(run={"world_size": 2, "time_limit_s": 600},
                         strategies=[{"name": "rank1_raises"}, {"name": "cpu"}], baseline="cpu")

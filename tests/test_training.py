@@ -56,6 +56,7 @@ def test_fused_update_matches_autograd_reference(opt_type, num_rows, bags, steps
 
 
 @pytest.mark.parametrize("opt_type", OPTIMIZERS)
+@pytest.mark.slow
 def test_device_and_cpu_strategies_train_the_same_weights(tmp_path, opt_type):
     raw = tiny_scenario(optimizer={"embedding": {"type": opt_type, "lr": 0.1}})
     device_weights, device_metrics = train_and_flush(raw, "device", tmp_path=tmp_path)
@@ -67,6 +68,7 @@ def test_device_and_cpu_strategies_train_the_same_weights(tmp_path, opt_type):
     assert device_metrics["accuracy"]["logloss"] == pytest.approx(cpu_metrics["accuracy"]["logloss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_teacher_is_learnable():
     raw = tiny_scenario(
         data={"scale": 0.001, "embedding_dim": 16, "batch_size": 512},
