@@ -31,6 +31,19 @@ from embbench.strategy import RuntimeEnv, load_strategies
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_compiles_nothing(request):
+    """A graph compiled from a cold cache takes tens of seconds on 2 cores (inductor): a test that
+    compiles one belongs to the slow tier, and is told so here rather than found by its time."""
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["unique_graphs"]
+    yield
+    compiled = counters["stats"]["unique_graphs"] - before
+    if compiled and request.node.get_closest_marker("slow") is None:
+        pytest.fail(f"{request.node.nodeid} compiled {compiled} graph(s) with torch.compile but is not marked "
+                    "slow: the fast tier compiles nothing (mark it @pytest.mark.slow)", pytrace=False)
+
 TINY = {
     "name": "tiny",
     "data": {"preset": "criteo_kaggle", "scale": 0.0002, "embedding_dim": 8, "batch_size": 64},
