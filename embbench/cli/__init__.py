@@ -13,13 +13,13 @@ import signal
 import sys
 
 from embbench.cli import compare, curve, data, disk, project, recommend, report, run, show, strategies, trace
-from embbench.cli.run import EXIT_NOTHING_RAN
+from embbench.cli.run import EXIT_CELLS_FAILED, EXIT_NOTHING_RAN
 from embbench.cli.shared import console
 from embbench.optional import MissingDependency
 from embbench.results import RecordError
 from embbench.scenario import ScenarioError
 
-__all__ = ["EXIT_NOTHING_RAN", "build_parser", "console", "main"]
+__all__ = ["EXIT_CELLS_FAILED", "EXIT_NOTHING_RAN", "build_parser", "console", "main"]
 
 #: The subcommands in the order ``embbench --help`` lists them.
 COMMANDS = (run, data, trace, strategies, show, curve, disk, recommend, compare, report, project)

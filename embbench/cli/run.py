@@ -24,13 +24,17 @@ from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
 from embbench.report import SHOW_COLUMNS, print_comparison, profile_tables
-from embbench.results import run_directory_lock
+from embbench.results import FAILED_STATUSES, run_directory_lock
 from embbench.scenario import load_scenario
 from embbench.strategy import Unsupported
 from embbench.torchrun_job import run_cells_in_job, torchrun_ranks
 
 
-#: ``run``'s exit code when no cell of the scenario could start here (each unsupported or skipped).
+# ``run``'s exit codes (README "Exit codes", docs/guarantees.md): 0 every cell ok, or unsupported
+# or skipped here beside at least one ok; 2 bad input (embbench.cli); 130 interrupted.
+#: A cell failed (:data:`embbench.results.FAILED_STATUSES`), or a record could not be written.
+EXIT_CELLS_FAILED = 1
+#: No cell of the scenario could start here (each unsupported or skipped).
 EXIT_NOTHING_RAN = 4
 
 
@@ -276,7 +280,7 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
     except RecordsNotWritten as e:
         print_comparison(e.records, console, title=scenario.name, view=view_of(args))
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_CELLS_FAILED
     if not records:
         return 0  # a torchrun rank other than 0: rank 0 prints
     print_comparison(records, console, title=scenario.name, view=view_of(args))
@@ -286,6 +290,11 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
     console.print(Text(shown.summary()))
     console.print(Text(f"records: {out}"))
     _say_what_fits(args, scenario, [r.cell_id for r in records if r.status == "skipped"])
+    failed = [r for r in records if r.status in FAILED_STATUSES]
+    if failed:  # a CI job running a scenario fails with its cells
+        print(f"error: {len(failed)} of {len(records)} cell(s) failed ("
+              + ", ".join(f"{r.cell_id}: {r.status}" for r in failed) + f") (exit {EXIT_CELLS_FAILED})", file=sys.stderr)
+        return EXIT_CELLS_FAILED
     if all(r.status in ("unsupported", "skipped") for r in records):
         print(f"error: no cell of {args.scenario} can start on this machine (exit {EXIT_NOTHING_RAN})", file=sys.stderr)
         return EXIT_NOTHING_RAN
