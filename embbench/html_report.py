@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,10 +25,11 @@ from typing import Any
 from rich.console import Console
 
 from embbench.columns import flat_row, get, gpu_names
-from embbench.compare import ALPHA, TEST, Run, compare_runs
+from embbench.compare import ALPHA, TEST, Run, aa_floor_of, compare_runs
 from embbench.optional import require
 from embbench.outputs import atomic_write, claim_output, head_has
 from embbench.results import RUN_CURVE
+from embbench.stats import spread_text
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["cache_curve_figure", "check_writable", "hit_rates_figure", "pareto_figure", "pareto_front", "render_report",
@@ -412,13 +414,17 @@ def render_report(runs: list[Run]) -> str:
 
 def _verdict_html(runs: list[Run]) -> str:
     """The report's first word (:func:`embbench.report.verdict`): per run and world size, the
-    fastest cell, its margin and whether the noise allows the decision."""
+    fastest cell, its margin and whether the noise allows the decision, held to the A/A noise
+    floor of the runs where two are the same scenario and commit (as the comparison below is)."""
     from embbench.report import verdict
 
+    floor = aa_floor_of(runs) if len(runs) > 1 else None
     items = "".join(f"<li>{html.escape(line)}</li>" for line in
                     (f"{run.label}: {line}" if len(runs) > 1 else line
-                     for run in runs for line in verdict(run.records, str(run.path))))
-    return f'<div class="verdict"><b>Verdict</b> (speed; the margin\'s 95% interval over repeats)<ul>{items}</ul></div>'
+                     for run in runs for line in verdict(run.records, str(run.path), aa_floor=floor)))
+    held = (f"; held to the A/A noise floor of these runs, {spread_text(math.expm1(floor))}" if floor is not None else "")
+    return (f'<div class="verdict"><b>Verdict</b> (speed; the margin\'s 95% interval over repeats{html.escape(held)})'
+            f'<ul>{items}</ul></div>')
 
 
 def _scrolling(table: str) -> str:

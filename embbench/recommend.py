@@ -271,10 +271,12 @@ def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
 
 
 def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.001, alpha: float = ALPHA,
-              run_dir: str = "RUN", curve: dict | None = None) -> list[Recommendation]:
+              run_dir: str = "RUN", curve: dict | None = None, aa_floor: float | None = None) -> list[Recommendation]:
     """One recommendation per world size of the records (see the module doc); suggested
     cells are to be run into ``run_dir``, at no more than the knee of ``curve`` (an
-    ``embbench curve`` of the scenario) where one is given.
+    ``embbench curve`` of the scenario) where one is given. Each runner-up is judged against the
+    best as ``compare`` judges two runs (:func:`embbench.compare.repeat_test`), held to the A/A
+    noise floor ``aa_floor`` (:func:`embbench.compare.aa_floor_of`) where one is known.
 
     A cell is left out when it did not finish (its status), when its memory exceeds the
     budget (by how much), or when its AUC is below the baseline's at the same world size
@@ -331,7 +333,8 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
             metrics = {r.cell_id: r.metrics for r in mine}
             for c in rec.runners_up:
                 c.relative_to_best = c.throughput / rec.best.throughput - 1
-                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha, names=("the best", "this cell"))
+                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha, names=("the best", "this cell"),
+                                   aa_floor=aa_floor)
                 c.p_value, c.significant, c.interval, c.not_judged = (test.p_value, test.significant, test.interval,
                                                                       test.not_judged)
             rec.caveats += _winner_caveats(rec.best, rec.runners_up)

@@ -298,13 +298,15 @@ def print_deltas(cells: list[CellComparison], before: str, after: str, test: str
         console.print(Text(f"not comparable ({which}): {why}", style="magenta"))
 
 
-def verdict(records: list[Record], run_dir: str = "RUN") -> list[str]:
+def verdict(records: list[Record], run_dir: str = "RUN", aa_floor: float | None = None) -> list[str]:
     """A run's answer in a line per world size: the fastest cell (ranked as ``recommend`` ranks
     them with no memory budget: a cell whose AUC falls below the baseline's beyond its noise is
     left out), its margin over the next fastest, and whether the noise allows the decision:
-    the verdict ``compare`` and its gate read (:func:`embbench.compare.judge`) on the two."""
+    the verdict ``compare`` and its gate read (:func:`embbench.compare.repeat_test`) on the two,
+    held to the A/A noise floor ``aa_floor`` (:func:`embbench.compare.aa_floor_of`) as
+    ``compare`` holds every cell to it."""
     out = []
-    for rec in recommend(records, Budget(device_bytes=2**62), run_dir=run_dir):
+    for rec in recommend(records, Budget(device_bytes=2**62), run_dir=run_dir, aa_floor=aa_floor):
         where = f"{rec.world_size} rank(s)"
         # with no memory budget, a measured cell is left out for its accuracy only
         lost = sum(rec.excluded.get(r.cell_id) is not None for r in records
@@ -320,7 +322,8 @@ def verdict(records: list[Record], run_dir: str = "RUN") -> list[str]:
             continue
         metrics = {r.cell_id: r.metrics for r in records if r.world_size == rec.world_size}
         runner = rec.runners_up[0]
-        sig = repeat_test(metrics[runner.cell_id], metrics[best.cell_id], names=("the runner-up", "the best"))
+        sig = repeat_test(metrics[runner.cell_id], metrics[best.cell_id], names=("the runner-up", "the best"),
+                          aa_floor=aa_floor)
         margin = f"{100 * (best.throughput / runner.throughput - 1):+.1f}%"
         head += f", {margin}{' ' + interval_text(sig.interval) if sig.interval else ''} over {runner.cell_id}"
         if sig.not_judged:
