@@ -101,8 +101,8 @@ class TierMetric:
 
 #: The tier tables' columns after the cell and its tier, most important first (the label is the header).
 TIER_METRICS = [
-    TierMetric("tier_hit_rate", "hit_rate", "hit rate\n(all)", True),
-    TierMetric("hit_rate_of_reaching", "hit_rate_of_reaching", "hit rate\n(of reaching)", True),
+    TierMetric("tier_hit_rate", "hit_rate", "rows hit\n(all)", True),
+    TierMetric("hit_rate_of_reaching", "hit_rate_of_reaching", "rows hit\n(of reaching)", True),
     TierMetric("stall_seconds_per_step", "stall_seconds_per_step", "stall\na step", False),
     TierMetric("bytes_read_per_step", "bytes_read_per_step", "read\na step", False),
     TierMetric("bytes_written_per_step", "bytes_written_per_step", "written\na step", False),

@@ -65,7 +65,7 @@ RESULT_COLUMNS = [
     Column("step_time", "step ms\nrepeats / p95", always=True),
     Column("speedup", "speedup", always=True),
     Column("device_bytes", "device MiB\nstatic / peak"),
-    Column("hit_rate", "hit rate\n(MIN est.)"),
+    Column("hit_rate", "hit rate per\naccess (MIN est.)"),
     Column("cpu", "CPU ms\nper step"),
     Column("host_bytes", "host MiB"),
     Column("auc", "AUC"),
@@ -363,11 +363,12 @@ _TIER_FORMAT = {
 #: The rows a step moves, shown under its bytes (where the tier counts rows).
 _TIER_ROWS = {"bytes_read_per_step": "rows_read_per_step", "bytes_written_per_step": "rows_written_per_step"}
 _TIER_NOTES = {
-    "tier_hit_rate": "hit rate (all): the share of every distinct row a batch needs that the tier served (the tiers "
-                     "add up to 100%)",
+    "tier_hit_rate": "rows hit (all): the share of every distinct row a batch needs that the tier served (the tiers "
+                     "add up to 100%; the results table's hit rate is per access)",
     "hit_rate_of_reaching": "(of reaching): the share of those that reached it, having missed every tier above",
     "stall_seconds_per_step": "stall: what a step waited for the drive's reads",
-    "bytes_read_per_step": "read/written: the tier's traffic with the tier below it",
+    "bytes_read_per_step": "read/written: the tier's traffic with the tier below it (hbm: read from host memory; "
+                           "dram: read from the drive; nvme, the last: the drive's own)",
     "ios_per_step": "I/Os: 4 KiB pages read and written on the drive",
     "read_amplification": "read amplification: bytes read over the useful rows' bytes",
     "reads_per_second": "reads/s: pages a second while the drive was read",

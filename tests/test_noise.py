@@ -160,7 +160,7 @@ def test_the_table_calls_min_per_access_an_estimate_and_a_cpu_run_no_placement_r
 
     from embbench.report import RESULT_COLUMNS, print_comparison
 
-    assert next(c for c in RESULT_COLUMNS if c.key == "hit_rate").header == "hit rate\n(MIN est.)"
+    assert next(c for c in RESULT_COLUMNS if c.key == "hit_rate").header == "hit rate per\naccess (MIN est.)"
     records = [make_record("device", device="cpu"),
                make_record("freqcache", {"cache_ratio": 0.1}, device="cpu", hit_rate=0.967,
                            extra={"belady_hit_rate": 0.966, "belady_unique_hit_rate": 0.5})]
