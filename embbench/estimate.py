@@ -31,6 +31,7 @@ holds that contention).
 from __future__ import annotations
 
 import functools
+import json
 import socket
 import statistics
 import time
@@ -284,7 +285,7 @@ def _fresh_cost(scenario: Scenario, tables: list[TableSpec], world_size: int, de
     local = scenario.data.batch_size // world_size
     shared = f"{world_size} rank(s) x {threads} thread(s) on {usable_cores()[0]} usable core(s)" + (
         f": x{stretch:.1f}" if stretch > 1 else "")
-    key = (world_size, threads)
+    key = (_step_shape(scenario), world_size, threads, device.type)
     if key not in calibrations:
         rough = _rough_step(scenario, tables, local, threads) if device.type == "cpu" else 0.0
         # a warm-up and one timed step at least; the rough floor is optimistic (criteo_8gpu at scale
@@ -306,6 +307,20 @@ def _fresh_cost(scenario: Scenario, tables: list[TableSpec], world_size: int, de
     return calibrations[key]
 
 
+def _step_shape(scenario: Scenario) -> str:
+    """What a calibrated or rough step depends on: the scenario's shape without the tables' sizes
+    (``data.scale``) or the run's counts. Two estimates of one shape share one calibration, so
+    that ``--scale`` (or ``--steps``) alone moves only what it changes: the build grows with the
+    tables, and a busy moment of the machine cannot make smaller tables look slower."""
+    config = scenario.model_dump(mode="json")
+    return json.dumps([{**config["data"], "scale": None}, config["model"], config["optimizer"],
+                       [config["run"][k] for k in _SHAPE_RUN_KEYS]], sort_keys=True)
+
+
+#: Calibrated and rough steps of this process, by (:func:`_step_shape`, ranks, threads, device type).
+_CALIBRATIONS: dict = {}
+
+
 def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], device: torch.device,
                bytes_to_fill: Callable[[Cell], int | None]) -> list[CellTime]:
     """Each cell's estimated wall time here (:mod:`embbench.estimate`'s model).
@@ -318,13 +333,12 @@ def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], devi
     trained = run.warmup_bound + run.repeats * run.steps + OPS_STEPS
     evaluated = eval_batches(scenario.data, run)
     earlier = earlier_records(scenario, run_dirs, device)
-    calibrations: dict = {}
     times = []
     for cell in cells:
         if cell.id in earlier:
             cost = _from_record(*earlier[cell.id])
         else:
-            cost = _fresh_cost(scenario, tables, cell.world_size, device, calibrations)
+            cost = _fresh_cost(scenario, tables, cell.world_size, device, _CALIBRATIONS)
         build = cost.build_s
         if build is None:
             filled = bytes_to_fill(cell)

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from rich.table import Table
 from rich.text import Text
 
@@ -19,7 +20,8 @@ from embbench.cli.shared import add_view_flags, comma_names, console, view_of
 from embbench.commands import run_command
 from embbench.device import resolve_device
 from embbench.estimate import LONG_RUN_S, at_least, cell_times, duration, is_too_long, over_limit
-from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
+from embbench.launch import (HOST_HEADROOM, RANK_PROCESS_BYTES, RecordsNotWritten, memory_estimate, other_scenario,
+                             outcome_without_launch, rank_process_bytes, run_cells)
 from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
@@ -61,7 +63,8 @@ def _dry_run(scenario, cells, run_dirs: list[Path]) -> list[str]:
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
     caption = (f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, {table_bytes / 2**30:,.2f} GiB of weights; "
-               f"per-rank estimates on this machine ({here or 'no usable device'})")
+               f"per-rank estimates on this machine ({here or 'no usable device'}), host memory with each rank's "
+               f"process (interpreter and libraries); a cell may take {100 * (1 - HOST_HEADROOM):.0f}% of the free host memory")
     if on_gpu_too:
         caption += " and, as the scenario is written for GPUs, on a GPU (device memory there, host memory beside it)"
     grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
@@ -81,14 +84,15 @@ def _dry_run(scenario, cells, run_dirs: list[Path]) -> list[str]:
                                                estimates)}
     for cell in cells:
         estimate, outcome = estimates[cell.id], outcomes[cell.id]
+        process = rank_process_bytes(here or torch.device("cpu"))  # each rank's interpreter and libraries
         if estimate is None:
             device = host = None
         elif here is not None and here.type == "cpu":  # the "device" is the host
-            device, host = 0, estimate.device_bytes + estimate.host_bytes + estimate.pinned_bytes
+            device, host = 0, estimate.device_bytes + estimate.host_bytes + estimate.pinned_bytes + process
         else:
-            device, host = estimate.device_bytes, estimate.host_bytes + estimate.pinned_bytes
-        gpu = [f"{_gib(estimate.device_bytes)} / {_gib(estimate.host_bytes + estimate.pinned_bytes)}"
-               if estimate else "? / ?"] if on_gpu_too else []
+            device, host = estimate.device_bytes, estimate.host_bytes + estimate.pinned_bytes + process
+        on_gpu_host = estimate.host_bytes + estimate.pinned_bytes + RANK_PROCESS_BYTES["cuda"] if estimate else None
+        gpu = [f"{_gib(estimate.device_bytes)} / {_gib(on_gpu_host)}" if estimate else "? / ?"] if on_gpu_too else []
         if outcome is None:
             verdict = Text("yes" if estimate else "yes (no estimate)", style="green")
         else:
