@@ -63,10 +63,11 @@ def _dry_run(scenario, cells, run_dirs: list[Path]) -> list[str]:
     tables = scenario.tables()
     table_bytes = sum(t.num_bytes for t in tables)
     caption = (f"{len(tables)} tables, {sum(t.num_rows for t in tables):,} rows, {table_bytes / 2**30:,.2f} GiB of weights; "
-               f"per-rank estimates on this machine ({here or 'no usable device'}), host memory with each rank's "
-               f"process (interpreter and libraries); a cell may take {100 * (1 - HOST_HEADROOM):.0f}% of the free host memory")
+               f"per-rank estimates on this machine ({here or 'no usable device'})")
     if on_gpu_too:
         caption += " and, as the scenario is written for GPUs, on a GPU (device memory there, host memory beside it)"
+    caption += (f"; host memory with each rank's process (interpreter and libraries), of which a cell may take "
+                f"{100 * (1 - HOST_HEADROOM):.0f}% of what is free")
     grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
                  header_style="bold", caption=caption)
     for col in ["cell", "device GiB / rank", "host GiB / rank"] + (["on a GPU: device / host GiB"] if on_gpu_too else []) \
