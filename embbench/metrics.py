@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["memory_tiers", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
-           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training"]
+           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training",
+           "accuracy_warnings"]
 
 #: A training loss this many times the first step's says the optimizer overshot. The scenarios'
 #: old dense Adagrad at lr 0.05 reached 1.7e6 at step 1 (from 0.69) and recovered; a run that does
@@ -282,6 +283,12 @@ def too_few_eval_samples(accuracy: dict[str, Any] | None) -> str | None:
         return None
     return (f"too few evaluation samples: AUC {auc:.3f} ± {1.96 * error:.3f} (95%, {accuracy.get('eval_samples', '?'):,} "
             f"samples) cannot be told from chance (0.5); score more held-out rows (data.eval, run.eval_batches)")
+
+
+def accuracy_warnings(accuracy: dict[str, Any] | None) -> list[str]:
+    """Why a cell's AUC is not to be read (:func:`unstable_training`, :func:`too_few_eval_samples`):
+    the lines under the results table, recommend's caveats and what keeps the AUC column shown."""
+    return [w for w in (unstable_training(accuracy), too_few_eval_samples(accuracy)) if w]
 
 
 def peak_rss_bytes() -> int:

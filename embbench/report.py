@@ -12,8 +12,8 @@ from rich.text import Text
 
 from embbench.columns import baseline_throughputs, device_need_bytes, flat_row, speed, tier_names
 from embbench.compare import METRICS, TIER_METRICS, CellComparison, Delta, Significance, repeat_test
-from embbench.metrics import too_few_eval_samples, unstable_training
-from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes, recommend
+from embbench.metrics import accuracy_warnings
+from embbench.recommend import CACHE_RATIO, CPU_RUN_CAVEAT, Budget, Recommendation, format_bytes, recommend
 from embbench.results import Record
 from embbench.stats import interval_text
 from embbench.table_view import Column, Grid, Row, View, print_grid, view_part
@@ -187,14 +187,18 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
     numbers or numbers not to bet on."""
     console = console or Console()
     if (results := view_part(view, RESULT_COLUMNS)) is not None:
-        print_grid(comparison_grid(records, title), console, results)
+        grid = comparison_grid(records, title)
+        if any(accuracy_warnings(r.metrics.get("accuracy")) for r in records if r.status == "ok" and r.metrics):
+            # a warning under the table about the AUC is read beside the AUC: at any width
+            grid.columns = [dataclasses.replace(c, always=True) if c.key == "auc" else c for c in grid.columns]
+        print_grid(grid, console, results)
     _print_tiers(tier_grid(records), console, view)  # right under its results table: it needs no title of its own
     for r in records:  # why a cell has no numbers, or numbers not to bet on
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
         elif r.status == "ok" and r.metrics:
             accuracy = r.metrics.get("accuracy")
-            why_not = speed(r.metrics).flags + [w for w in (unstable_training(accuracy), too_few_eval_samples(accuracy)) if w]
+            why_not = speed(r.metrics).flags + accuracy_warnings(accuracy)
             if why_not:
                 console.print(Text(f"{r.cell_id}: {'; '.join(why_not)}", style="yellow"))
 
@@ -458,13 +462,13 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
                        f"from the records in {source} (measured only)"))
     for rec in recs:
         console.print(Text(f"\n{rec.world_size} rank(s)", style="bold"))
-        # A CPU run's caveat comes before the answer; the others right after it.
-        host_first = [c for c in rec.caveats if c.startswith("measured with the host")]
+        # A CPU run's caveat comes before the answer, which it then names no recommendation; the others after it.
+        host_first = [c for c in rec.caveats if c == CPU_RUN_CAVEAT]
         for caveat in host_first:
             console.print(Text(f"read first: {caveat}", style="bold yellow"))
         if rec.best:
             b = rec.best
-            console.print(Text.assemble("recommended: ", (b.cell_id, "bold green"),
+            console.print(Text.assemble("fastest on this machine: " if host_first else "recommended: ", (b.cell_id, "bold green"),
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
                                         f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
                                         + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")))

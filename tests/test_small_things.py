@@ -1,0 +1,48 @@
+"""Issue 49, point 8: the smaller things a newcomer met, each held to what it now says."""
+
+from __future__ import annotations
+
+from embbench.cli import main
+from embbench.recommend import Budget, recommend
+from tests.record_factory import make_record, write_run
+
+BUSY = {"noise": {"others_cpu_share": 0.6, "steal_share": 0.0, "cores": 2}}
+#: An AUC whose 95% interval reaches 0.5: the run warns it cannot be told from chance.
+CHANCE = {"accuracy": {"train_loss_last10": 0.5, "auc": 0.52, "logloss": 0.69, "eval_samples": 256,
+                       "auc_standard_error": 0.03}}
+
+
+def _repeats(ms: float, spread: float = 0.01) -> list[float]:
+    return [ms / 1e3 * f for f in (1 - spread, 1, 1 + spread) for _ in range(4)]
+
+
+def test_recommend_keeps_the_runs_warning_that_the_auc_cannot_be_told_from_chance(tmp_path, capsys):
+    records = [make_record("device", step_times=_repeats(10), **CHANCE), make_record("cpu", step_times=_repeats(20), **CHANCE)]
+    (rec,) = recommend(records, Budget(1 << 40))
+    (caveat,) = [c for c in rec.caveats if c.startswith("accuracy not to be read in 2 cell(s)")]
+    assert "device@w1: too few evaluation samples: AUC 0.520" in caveat and "cannot be told from chance" in caveat
+    assert main(["recommend", str(write_run(tmp_path / "run", records)), "--device-memory", "16GiB"]) == 0
+    assert "cannot be told from chance" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_busy_runner_up_whose_interval_excludes_the_winner_is_not_judged_not_called_close():
+    best = make_record("device", step_times=_repeats(10))
+    busy = make_record("cpu", step_times=_repeats(20), **BUSY)  # half as fast: its interval is far from 1
+    (rec,) = recommend([best, busy], Budget(1 << 40))
+    (runner,) = rec.runners_up
+    assert runner.interval[1] < 1 and runner.significant is None
+    assert not any("not faster beyond noise" in c for c in rec.caveats)
+    assert "not judged against device@w1: cpu@w1 (busy in this cell: other processes took 60% of the 2 cores)" in rec.caveats
+
+
+def test_the_results_table_shows_the_auc_when_a_warning_under_it_is_about_the_auc(tmp_path, capsys, monkeypatch):
+    from embbench import cli
+
+    monkeypatch.setattr(cli.console, "width", 100)  # too narrow for the AUC column by priority
+    plain = write_run(tmp_path / "plain", [make_record("device"), make_record("cpu", step_times=_repeats(20))])
+    assert main(["show", str(plain)]) == 0
+    assert "AUC" not in capsys.readouterr().out.split("hidden:")[0]
+    warned = write_run(tmp_path / "warned", [make_record("device", **CHANCE), make_record("cpu", **CHANCE)])
+    assert main(["show", str(warned)]) == 0
+    table, warnings = capsys.readouterr().out.split("└", 1)
+    assert "AUC" in table and "0.5200" in table and "cannot be told from chance" in " ".join(warnings.split())
