@@ -38,10 +38,10 @@ def _interrupt(signum, frame):
 
 
 def _stdout_gone() -> int:
-    """``| head`` closed the pipe: say so once; nothing more goes to the closed pipe (not even
-    at exit, where Python flushes stdout)."""
+    """``| head`` closed the pipe: the reader has what it wanted, so nothing is said (as a
+    command killed by SIGPIPE says nothing); nothing more goes to the closed pipe (not even at
+    exit, where Python flushes stdout)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    print("error: standard output was closed before everything was written (broken pipe)", file=sys.stderr)
     return 141  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
 
 
