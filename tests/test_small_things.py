@@ -46,3 +46,18 @@ def test_the_results_table_shows_the_auc_when_a_warning_under_it_is_about_the_au
     assert main(["show", str(warned)]) == 0
     table, warnings = capsys.readouterr().out.split("└", 1)
     assert "AUC" in table and "0.5200" in table and "cannot be told from chance" in " ".join(warnings.split())
+
+
+def test_setup_envs_steps_are_numbered_once_each_out_of_their_total_and_the_readme_names_triton():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts/setup_env.sh").read_text()
+    total = int(re.search(r"^steps=(\d+)", script, re.M).group(1))
+    assert "setup_env: [" not in script.replace('echo "setup_env: [$1/$steps] $2"', "")  # every step line is step()
+    numbers = [int(n) for n in re.findall(r"^\s*step (\d+) ", script, re.M)]
+    assert sorted(set(numbers)) == list(range(1, total + 1))  # (a step may have two branches: torch kept or installed)
+    assert "triton" in script.split(f"step {total} ", 1)[1].splitlines()[0]
+    setup = (root / "README.md").read_text().split("## Two commands", 1)[1].split("    scripts/setup_env.sh", 1)[0]
+    assert "triton" in setup
