@@ -61,3 +61,18 @@ def test_setup_envs_steps_are_numbered_once_each_out_of_their_total_and_the_read
     assert "triton" in script.split(f"step {total} ", 1)[1].splitlines()[0]
     setup = (root / "README.md").read_text().split("## Two commands", 1)[1].split("    scripts/setup_env.sh", 1)[0]
     assert "triton" in setup
+
+
+def test_curve_takes_the_batch_size_as_run_does(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from tests.conftest import tiny_scenario
+
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(tiny_scenario()))
+    out = tmp_path / "curve.json"
+    assert main(["curve", str(scenario), "--warmup", "2", "--steps", "3", "--sizes", "0.1", "--policies", "lru",
+                 "--batch-size", "32", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["scenario"]["batch_size"] == 32  # tiny_scenario's own is 64
