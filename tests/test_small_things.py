@@ -76,3 +76,24 @@ def test_curve_takes_the_batch_size_as_run_does(tmp_path, capsys):
     assert main(["curve", str(scenario), "--warmup", "2", "--steps", "3", "--sizes", "0.1", "--policies", "lru",
                  "--batch-size", "32", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["scenario"]["batch_size"] == 32  # tiny_scenario's own is 64
+
+
+def test_the_cells_eta_counts_only_cells_that_ran():
+    """Resumed cells and cells that start nothing (unsupported, skipped: 0 s) leave the cells
+    bar's count: three of them done in no time made the ETA of the five that run as short."""
+    import io
+
+    from rich.console import Console
+
+    from embbench.progress import RunProgress
+    from embbench.scenario import Cell
+
+    now = [100.0]
+    progress = RunProgress(Console(file=io.StringIO(), width=200), 6, live=False, lines=False, clock=lambda: now[0])
+    progress.on_done(Cell("cpu"), make_record("cpu"))  # kept from an earlier run: never started
+    for strategy, status, seconds in (("uvm", "unsupported", 0.01), ("device", "ok", 30.0)):
+        progress.on_start(Cell(strategy))
+        now[0] += seconds
+        progress.on_done(Cell(strategy), make_record(strategy, status=status))
+    task = progress.progress.tasks[progress._cells]
+    assert (task.completed, task.total) == (1, 4) and "2 kept or not started" in task.description
