@@ -97,3 +97,44 @@ def test_the_cells_eta_counts_only_cells_that_ran():
         progress.on_done(Cell(strategy), make_record(strategy, status=status))
     task = progress.progress.tasks[progress._cells]
     assert (task.completed, task.total) == (1, 4) and "2 kept or not started" in task.description
+
+
+def _curve_and_records(tmp_path):
+    import numpy as np
+
+    from embbench.cache.curve import measure
+
+    rng = np.random.default_rng(0)
+    steps = [rng.zipf(1.3, 200) % 2000 for _ in range(12)]
+    curve = measure(steps, {"t0": 2000}, (0.01, 0.03, 0.1, 0.3), ("lru", "freqcache", "min"), skip=2,
+                    freqcache=lambda r: (0.5, 0.4), freqcache_ratios=(0.01, 0.3))
+    records = [make_record("device"),
+               *[make_record("freqcache", {"cache_ratio": r}, hit_rate=h, unique_hit_rate=h - 0.2)
+                 for r, h in ((0.01, 0.5), (0.1, 0.8), (0.3, 0.95))]]
+    return curve, records
+
+
+def test_the_cache_curves_legend_covers_no_panel(tmp_path):
+    from embbench.compare import Run
+    from embbench.html_report import cache_curve_figure
+
+    curve, records = _curve_and_records(tmp_path)
+    fig = cache_curve_figure(Run(tmp_path, records), curve)
+    fig.canvas.draw()
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    assert not any(ax.get_window_extent().overlaps(box) for ax in fig.axes)
+    assert {"MIN (envelope)", "measured cells"} <= {t.get_text() for t in legend.get_texts()}
+
+
+def test_a_second_runs_hit_rate_lines_do_not_hide_the_firsts(tmp_path):
+    from embbench.compare import Run
+    from embbench.html_report import hit_rates_figure
+
+    _, records = _curve_and_records(tmp_path)
+    fig = hit_rates_figure([Run(tmp_path / "a", records), Run(tmp_path / "b", records)])  # the same figures twice
+    lines = [line for line in fig.axes[0].get_lines() if len(line.get_xdata())]
+    points = [set(zip(line.get_xdata(), line.get_ydata())) for line in lines]
+    assert len(lines) == 4  # (hit rate, per distinct row) x two runs
+    assert all(not (p & q) for i, p in enumerate(points) for q in points[i + 1:])  # no point drawn over another
