@@ -537,6 +537,13 @@ def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], bud
                            + f" and {len(tables) - len(cached)} whole on the device: {format_bytes(total)} of the "
                            f"{format_bytes(budget.device_bytes)} budget (torchrec keeps the rest for the dense part "
                            "and the input batches)"))
+        if cached:
+            smallest = min(cached, key=lambda t: t["rows"])
+            console.print(Text(f"why a table such as {smallest['name']} ({smallest['rows']:,} rows) is cached, not whole on "
+                               "the device: embbench lets torchrec's planner choose only fbgemm's UVM cache "
+                               "(fused_uvm_caching) for every table, so that it sizes each cache from the curve; its "
+                               "proposer then grows the caches that gain most, and a load factor of 1 holds every row",
+                               style="dim"))
 
 
 def profile_tables(records: list[Record], top: int = 10) -> list[Table]:

@@ -138,3 +138,23 @@ def test_a_second_runs_hit_rate_lines_do_not_hide_the_firsts(tmp_path):
     points = [set(zip(line.get_xdata(), line.get_ydata())) for line in lines]
     assert len(lines) == 4  # (hit rate, per distinct row) x two runs
     assert all(not (p & q) for i, p in enumerate(points) for q in points[i + 1:])  # no point drawn over another
+
+
+def test_the_torchrec_plan_says_why_a_small_table_is_in_a_uvm_cache():
+    import io
+
+    from rich.console import Console
+
+    from embbench.recommend import Recommendation
+    from embbench.report import print_torchrec_plans
+
+    tables = [{"name": "t0", "rows": 400_000, "sharding_type": "table_wise", "compute_kernel": "fused_uvm_caching",
+               "load_factor": 0.2, "device_bytes": 6 << 20},
+              {"name": "t1", "rows": 10_000, "sharding_type": "table_wise", "compute_kernel": "fused_uvm_caching",
+               "load_factor": 0.5, "device_bytes": 1 << 20}]
+    out = io.StringIO()
+    plans = {1: {"tables": tables, "host_bytes": 1 << 34, "unavailable": None}}
+    print_torchrec_plans(plans, [Recommendation(1, None)], Budget(16 << 30), Console(file=out, width=300))
+    text = " ".join(out.getvalue().split())
+    assert ("why a table such as t1 (10,000 rows) is cached, not whole on the device: embbench lets torchrec's planner "
+            "choose only fbgemm's UVM cache (fused_uvm_caching) for every table") in text
