@@ -542,7 +542,9 @@ def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], bud
             console.print(Text(f"why a table such as {smallest['name']} ({smallest['rows']:,} rows) is cached, not whole on "
                                "the device: embbench lets torchrec's planner choose only fbgemm's UVM cache "
                                "(fused_uvm_caching) for every table, so that it sizes each cache from the curve; its "
-                               "proposer then grows the caches that gain most, and a load factor of 1 holds every row",
+                               "proposer moves a table whole onto the device only when its cache grows to about all "
+                               "its rows or would move more than the table holds, so a table whose cache gains little "
+                               "from growing stays a cache, though it would fit whole",
                                style="dim"))
 
 
