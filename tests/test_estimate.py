@@ -200,3 +200,18 @@ def test_one_calibration_serves_every_scale_so_the_estimate_grows_with_the_table
     times = [_times(tiny_scenario(data={"scale": s}, strategies=[{"name": "device"}]))[0] for s in scales]
     assert len(calls) == 1  # without the shared calibration, each later one here is faster
     assert all(a.seconds < b.seconds and a.steps_s == b.steps_s for a, b in zip(times, times[1:]))
+
+
+def test_a_cell_measured_on_smaller_tables_is_a_floor_for_larger_ones(tmp_path, fixed_calibration):
+    """Issue 49, point 3: a run at --scale 0.0001 (slow steps, recorded) made that scale look
+    longer than --scale 0.2, estimated from the calibration's floor alone."""
+    small_raw, large_raw = (tiny_scenario(data={"scale": s}, strategies=[{"name": "device"}]) for s in (0.0002, 0.002))
+    small, _ = parse_scenario(small_raw, "t.yaml")
+    run = write_run(tmp_path / "tiny-small", [_earlier(small, step=0.5, build_seconds=2.0)])
+    (measured,) = _times(small_raw, [run])
+    (larger,) = _times(large_raw, [run])
+    assert measured.source == "run tiny-small"
+    assert larger.seconds >= measured.seconds and larger.source == "scaled up from run tiny-small" and larger.floor
+    assert "at --scale 0.0002: a floor" in larger.detail
+    (alone,) = _times(large_raw)  # without the record: the calibration's floor, far below
+    assert alone.seconds < measured.seconds
