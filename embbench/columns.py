@@ -173,7 +173,12 @@ def flat_row(record: Record) -> dict[str, Any]:
 def tier_columns(metrics: dict[str, Any]) -> dict[str, Any]:
     """``metrics.tiers`` (:func:`embbench.metrics.memory_tiers`) as ``tier.<tier>.<field>``
     columns, the tiers in the record's order (the device's first)."""
-    return {f"tier.{t['tier']}.{k}": v for t in metrics.get("tiers") or [] for k, v in t.items() if k != "tier"}
+    tiers = {t["tier"]: dict(t) for t in metrics.get("tiers") or []}
+    if "nvme" in tiers and "dram" in tiers:  # records before issue 49 gave host memory the device's traffic
+        dram, nvme = tiers["dram"], tiers["nvme"]
+        dram.pop("rows_written_per_step", None)
+        dram.update({k: nvme.get(k) for k in ("rows_read_per_step", "bytes_read_per_step", "bytes_written_per_step")})
+    return {f"tier.{name}.{k}": v for name, t in tiers.items() for k, v in t.items() if k != "tier"}
 
 
 def tier_names(row: dict[str, Any]) -> list[str]:
