@@ -163,8 +163,11 @@ class _Training:
         if ahead:
             sparse.look_ahead(ahead)
         pooled = self.pooled(batch.sparse)
-        sparse.prefetch(upcoming.sparse)
         loss = self.loss_fn(self.model(batch.dense, pooled), batch.labels)
+        # The next batch's prefetch once the dense forward is launched (as torchrec's prefetch
+        # pipeline does): its launches never delay the forward's, and a strategy gates its side
+        # stream on its own lookup, not on this.
+        sparse.prefetch(upcoming.sparse)
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()
         sparse.after_backward()
