@@ -12,6 +12,7 @@ one private :class:`_Training`; split into files, a reader would follow one cell
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -72,16 +73,27 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         work_dir: the cell's own folder for the strategy's files (``BuildContext.work_dir``).
     """
     report = _Progress(progress, env.rank)
-    training = _build(scenario, cell, env, process_group, schedule, profile_path is not None, report, work_dir)
-    warmup = _warm_up(training, report)
-    generator_rate = _generator_rate(training)
-    timing = _time_steps(training, report)
-    ops = _count_ops(training)
-    profile = _profile(training, profile_path) if profile_path is not None else None
-    _catch_up(training, warmup, report)
-    accuracy = _evaluate(training, report)
-    weights = _save_weights(training, weights_path)
-    return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights)
+    with training_stream(env.device):
+        training = _build(scenario, cell, env, process_group, schedule, profile_path is not None, report, work_dir)
+        warmup = _warm_up(training, report)
+        generator_rate = _generator_rate(training)
+        timing = _time_steps(training, report)
+        ops = _count_ops(training)
+        profile = _profile(training, profile_path) if profile_path is not None else None
+        _catch_up(training, warmup, report)
+        accuracy = _evaluate(training, report)
+        weights = _save_weights(training, weights_path)
+        return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights)
+
+
+def training_stream(device: torch.device):
+    """The cell's own stream on CUDA, of the highest priority the device has: where a
+    strategy's side stream (made at the default, lowest priority) competes for the GPU, the
+    kernels the training step waits for are scheduled first. Nothing on a CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    _, highest = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers are higher
+    return torch.cuda.stream(torch.cuda.Stream(device, priority=highest))
 
 
 # --- build --------------------------------------------------------------------------------------
