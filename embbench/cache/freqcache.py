@@ -15,7 +15,7 @@ when it is first seen (its ids are on the device already); the next batch is pla
 rows moved while the current one computes (``prefetch``), on a side stream on CUDA. The moves
 are two padded gathers and scatters against the host table: dirty victims out, missing rows
 in. A plan may take cached slots of the running step (as Belady would): those moves (the
-plan's late part) wait for the next forward, when that step has ended.
+plan's late part) wait for that step's backward (:meth:`FreqCache.after_backward`).
 
 Longer than 600 lines because: :class:`FreqCache` is one step (lookup, plan, moves, update,
 its CUDA-graph capture) over slot tensors and streams that all its parts share; the helpers
@@ -248,9 +248,9 @@ class FreqCache(SparseModule):
 
     def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
         """Batches seen for the first time enter the planner's window (in look-ahead order).
-        Their numbers are given now; their device work is queued once the next forward has
-        joined the side stream (:meth:`_enter_pending`), so that the forward never waits for it
-        (6.45M window pairs rewritten a step at the Kaggle shape), or before a plan that needs it."""
+        Their numbers are given now; their device work is queued after the next forward's
+        lookup (:meth:`_enter_pending`), so that the lookup never waits for it (6.45M window
+        pairs rewritten a step at the Kaggle shape), or before a plan that needs it."""
         for features in upcoming:
             known = self._numbers.get(id(features.values))
             if known is None or known[0] is not features.values:
@@ -614,7 +614,13 @@ class FreqCache(SparseModule):
         """Belady's MIN on the recorded training stream at this capacity (per access and per
         distinct row of each batch), beside this cache's own rates on the same window."""
         self._join_side()
-        out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "policy": self.params.policy,
+        staging = self.planner.num_slots - self.capacity
+        out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "staging_slots": staging,
+                     **({"staging_note": f"{staging:,} staging slots (room for two batches' ids) beside a cache of "
+                                         f"{self.capacity:,} rows: until each has held a staged row, rows staged there "
+                                         "stay resident, as extra cache (empty_slots_at_timing)"}
+                        if staging > self.capacity else {}),
+                     "policy": self.params.policy,
                      "admission": self.params.admission, "lookahead": self.lookahead,
                      "window_rows_per_batch": self.planner.window_rows, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,
