@@ -85,3 +85,30 @@ def test_recommend_names_a_winner_timed_while_filling(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommended: freqcache[cache_ratio=0.01]@w1" in out
     assert "filling: 19,241 of its slots were empty when timing started" in out
+
+
+def test_the_kaggle_shape_gpu_scenarios_warm_up_until_freqcache_s_slots_are_full():
+    """At the Criteo-Kaggle shape (1.5 % cache, alpha 1.15) freqcache's 1.36M slots (852k of them
+    staging) fill by the step ``results/freqcache_kaggle_fill.json`` measured (issue 47, item 5:
+    266,676 were still empty after 100 steps): the GPU scenarios of that shape may warm up past
+    it, to the end of the warm-up window that holds it."""
+    import json
+    from pathlib import Path
+
+    from embbench.runner import _WARMUP_WINDOW
+
+    root = Path(__file__).parents[1]
+    fill = json.loads((root / "results" / "freqcache_kaggle_fill.json").read_text())
+    assert (fill["rows"], fill["batch"], fill["slots"]) == (33_762_577, 16384, 1_358_407)
+    full = fill["full_at_step"]
+    assert full and dict(fill["empty_slots_by_step"])[full] == 0
+    for name in ("kaggle_headline", "kaggle_headline_tf32", "row_precision", "kaggle_alpha1.15"):
+        scenario, _ = parse_scenario(_yaml(root / "scenarios" / "gpu_matrix" / f"{name}.yaml"), name)
+        assert scenario.data.batch_size == fill["batch"] and scenario.data.scale == 1.0, name
+        assert scenario.run.warmup_bound >= full + _WARMUP_WINDOW, name
+
+
+def _yaml(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
