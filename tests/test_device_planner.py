@@ -282,6 +282,7 @@ def test_on_cuda_the_captured_steps_train_like_the_eager_ones_without_a_host_syn
                 if i + 1 < len(batches):
                     module.prefetch(batches[i + 1])
                 (out * torch.randn(out.shape, generator=g, device=device)).sum().backward()
+                module.after_backward()  # the late moves, as the runner queues them
                 module.end_step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")

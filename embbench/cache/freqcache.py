@@ -234,6 +234,7 @@ class FreqCache(SparseModule):
         self._prefetched: _Prefetched | None = None
         self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
         self._gate: torch.cuda.Event | None = None  # recorded behind the running step's lookup (CUDA)
+        self._looked_up = torch.cuda.Event() if self.cuda else None  # that event, made once
         self._running: int | None = None  # the plan of the last forwarded batch
         self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
@@ -521,8 +522,8 @@ class FreqCache(SparseModule):
         keys = None if self.kind.exact else self.space.global_rows(features.to(self.device))
         pooled = pooled_lookup(self.store, slots, offsets, self.device, keys)
         if self.cuda:  # the side stream's work of this step waits for the lookup, not the dense forward
-            self._gate = torch.cuda.Event()
-            self._gate.record(torch.cuda.current_stream(self.device))
+            self._looked_up.record(torch.cuda.current_stream(self.device))
+            self._gate = self._looked_up
         self._enter_pending()  # on the side stream, beside the dense forward
         return per_sample(pooled, features)
 
@@ -592,6 +593,7 @@ class FreqCache(SparseModule):
 
     def flush(self) -> list[Tensor]:
         """Write every dirty slot back, then return the tables."""
+        self._gate = None  # the late moves wait for everything queued so far
         self._apply_late()
         self._join_side()
         slots, rows = self.planner.dirty()
