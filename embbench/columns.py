@@ -72,7 +72,20 @@ def speed(metrics: dict[str, Any]) -> Speed:
         interval, noise = None, None
     else:
         interval, noise = summary.throughput(batch)[1], summary.noise
-    return Speed(step_s, batch / step_s, interval, list(medians), noise, flags(metrics.get("noise"), noise))
+    return Speed(step_s, batch / step_s, interval, list(medians), noise,
+                 flags(metrics.get("noise"), noise) + filling_flags(metrics))
+
+
+def filling_flags(metrics: dict[str, Any]) -> list[str]:
+    """``filling``: a cache timed while it still filled, so cheaper than in its steady state
+    (it loads without evicting or writing back): slots empty when timing started, or a miss
+    rate that had not settled (the runner's warm-up rule, :func:`embbench.runner._warm_up`)."""
+    empty = metrics.get("empty_slots_at_timing")
+    if empty:
+        return [f"filling: {empty:,} of its slots were empty when timing started"]
+    if metrics.get("warmup_steady") is False:
+        return [f"filling: its miss rate still fell after {metrics.get('warmup_steps_run')} warm-up steps"]
+    return []
 
 
 def device_need_bytes(memory: dict[str, Any]) -> int:

@@ -80,6 +80,12 @@ def _busy(row: dict[str, Any]) -> bool:
     return any(flag.startswith("busy") for flag in (row.get("flags") or "").split("; "))
 
 
+def _marks(row: dict[str, Any]) -> str:
+    """A cell label's marks: `` busy!`` (a busy machine), `` filling!`` (a cache timed while it filled)."""
+    flags = (row.get("flags") or "").split("; ")
+    return "".join(f" {kind}!" for kind in ("busy", "filling") if any(f.startswith(kind) for f in flags))
+
+
 def _log_axis(ax, which: str) -> None:
     """A log scale whose ticks read as plain numbers (``900,000``, ``2.5``), labelled where
     matplotlib's log formatter would label them (minor ticks too, on a range under a decade)."""
@@ -141,10 +147,13 @@ def pareto_figure(run: Run, colours: dict[str, Any]):
     if any(map(_busy, rows)):
         handles.append(plt.Line2D([], [], ls="none", marker="X", color="0.3"))
         labels.append("busy!: timed on a busy machine")
+    if any(_marks(r).endswith("filling!") for r in rows):
+        handles.append(plt.Line2D([], [], ls="none"))
+        labels.append("filling!: a cache timed while it still filled")
     _legend_below(fig, handles, labels)
     order = front + [i for i in range(len(rows)) if i not in front]  # the front's labels nearest their points
     place_labels(ax, [points[i] for i in order],
-                 [rows[i]["cell_id"] + (" busy!" if _busy(rows[i]) else "") for i in order])
+                 [rows[i]["cell_id"] + _marks(rows[i]) for i in order])
     return fig
 
 
@@ -208,7 +217,7 @@ def step_times_figure(runs: list[Run]):
         for r in map(flat_row, run.records):
             if r["status"] == "ok":
                 boxes.append([s * 1e3 for s in r["step_time_samples"]])
-                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else "") + (" busy!" if _busy(r) else ""))
+                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else "") + _marks(r))
     if not boxes:
         return None
     order = sorted(range(len(labels)), key=lambda i: labels[i], reverse=True)  # top to bottom, by cell

@@ -166,7 +166,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     notes = {
         "throughput": "samples/s: the global batch over the median of the repeats' median steps, with its 95% "
                       "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
-                      "timed, wide!: its interval is wider than ±10%",
+                      "timed, wide!: its interval is wider than ±10%, filling!: a cache timed while it still filled (empty slots, or a "
+                      "miss rate still falling: cheaper than its steady state)",
         "speedup": f"speedup against {baseline_name} at the same ranks (its fp32 cell where it ran in several row precisions)",
         "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN over the "
                     "same steps: per access an estimate a policy can beat, per distinct row (uniq) a bound",

@@ -213,6 +213,7 @@ class Metrics(TypedDict):
     trained_steps: NotRequired[PositiveCount]  # before the evaluation (absent in older records)
     warmup_miss_rates: NotRequired[list[Rate | None]]
     empty_slots_at_timing: NotRequired[Count]  # a cache's slots still empty when timing started (this rank)
+    warmup_steady: NotRequired[bool]  # a cache's miss rate was steady when timing started (runner._warm_up)
     build_seconds: NotRequired[NonNegative]
     cell_seconds: NotRequired[NonNegative]  # the cell's wall time in the launcher, start-up to the last rank's end
     step_time_s: StepTimes

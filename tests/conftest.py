@@ -49,7 +49,9 @@ TINY = {
     "data": {"preset": "criteo_kaggle", "scale": 0.0002, "embedding_dim": 8, "batch_size": 64},
     "model": {"bottom_mlp": [16, 8], "top_mlp": [16, 1]},
     "optimizer": {"embedding": {"type": "rowwise_adagrad", "lr": 0.1}, "dense": {"type": "sgd", "lr": 0.1}},
-    "run": {"device": "cpu", "warmup_steps": 1, "steps": 3, "repeats": 2, "eval_batches": 1, "time_limit_s": 600},
+    # warm-up: exactly warmup_steps (fast; a test about warm-up sets its own bound)
+    "run": {"device": "cpu", "warmup_steps": 1, "warmup_max_steps": None, "steps": 3, "repeats": 2, "eval_batches": 1,
+            "time_limit_s": 600},
     "baseline": "device",
     "strategies": [{"name": "device"}, {"name": "cpu"}],
 }

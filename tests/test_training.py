@@ -77,3 +77,43 @@ def test_the_teacher_is_learnable():
     )
     _, metrics = train_and_flush(raw, "device")
     assert metrics["accuracy"]["auc"] > 0.6
+
+
+def test_a_cell_trains_on_a_stream_of_the_device_s_highest_priority(monkeypatch, tmp_path):
+    """On CUDA the cell runs on a stream of its own at the highest priority (a strategy's side
+    stream, made at the default and lowest, yields to it: issue 47, item 5); on a CPU on none.
+    Every phase of the cell, the timed steps among them, runs inside it."""
+    import contextlib
+
+    from embbench import runner
+
+    made, entered = [], []
+
+    class Stream:
+        @staticmethod
+        def priority_range():
+            return 0, -5
+
+        def __init__(self, device=None, priority=0):
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(entered.append(s)))
+    with runner.training_stream(torch.device("cuda", 0)):
+        pass
+    assert made == [(torch.device("cuda", 0), -5)] and len(entered) == 1
+    assert isinstance(runner.training_stream(torch.device("cpu")), contextlib.nullcontext)
+
+    log = []
+
+    @contextlib.contextmanager
+    def logged(device):
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    time_steps = runner._time_steps
+    monkeypatch.setattr(runner, "training_stream", logged)
+    monkeypatch.setattr(runner, "_time_steps", lambda *a: (log.append("timed"), time_steps(*a))[1])
+    train_and_flush(tiny_scenario(), "device", tmp_path=tmp_path)
+    assert log == ["enter", "timed", "exit"]
