@@ -531,7 +531,12 @@ class DevicePlanner:
         self._mark_planned(dest)
         cand_freq = freq[rank].to(torch.int32)
         self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
-        batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]
+        # Each distinct row's slot now: its destination where it moves in, else where it was. By
+        # gathers through the candidates' order (`rank` inverted): an index_copy_ into
+        # torch.cat([slot, sink]) let inductor, under deterministic algorithms, lay `slot` inside
+        # that buffer and overwrite it before `cand_resident` was read (issue 47, item 3).
+        candidate_of = torch.empty_like(rank).scatter_(0, rank, self._positions)
+        batch_slot = torch.where(incoming[candidate_of], dest[candidate_of], slot)
         self.slot_next.index_copy_(0, batch_slot, next_use.to(torch.int32))
         if train:  # (the sink's entries are never read: write-backs test `incoming`)
             self.slot_dirty.index_fill_(0, batch_slot, True)
