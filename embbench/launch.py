@@ -460,6 +460,23 @@ def _weights_comparable(record: Record, baseline: Record | None) -> str | None:
     return None
 
 
+def _same_precision_diff(record: Record, baseline: Record | None, baseline_name: str, weights_dir: Path) -> dict[str, Any]:
+    """A rounded cell's max |Δw| from the baseline's cell in the same row precision (``baseline``,
+    None where the run has none with flushed weights), or why there is none: an exact strategy
+    in fp16 matches the baseline in fp16 bit for bit, while its ``max_weight_diff_vs_baseline``
+    (from the fp32 baseline when the run has it) is rounding."""
+    why_not = (f"no flushed weights of {baseline_name} in this run (not among its cells, or it did not end ok)"
+               if baseline is None
+               else _weights_comparable(record, baseline))
+    if why_not is None:
+        try:
+            return {"max_weight_diff_vs_baseline_same_precision": _max_weight_diff(
+                weights_dir / record.metrics["weights_file"], weights_dir / baseline.metrics["weights_file"])}
+        except RecordError as e:
+            why_not = str(e)
+    return {"weights_not_compared_same_precision": why_not}
+
+
 def _loss_diffs(record: Record, baseline: Record | None) -> dict[str, float]:
     """An exact strategy's training loss (the last 10 steps') and evaluation log loss minus the
     baseline's, absolute: a full-size correctness check that costs nothing. Both trained the
@@ -512,6 +529,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     write_errors: list[str] = []
     info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
+    baseline_by_precision: dict[str, Record] = {}  # the baseline's cell in each row precision, with its weights
     baseline_ok: Record | None = None  # the baseline's record, for the loss check
     fp32_records: dict[str, Record] = {}  # by the fp32 cell's id
     initial: list[torch.Tensor] | None = None
@@ -540,6 +558,8 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             if cell.strategy == scenario.baseline and baseline_record is None:
                 baseline_record = record
+            if cell.strategy == scenario.baseline:
+                baseline_by_precision.setdefault(cell.row_precision, record)
             why_not = _weights_comparable(record, baseline_record)
             mine = weights_dir / record.metrics["weights_file"]
             theirs = weights_dir / baseline_record.metrics["weights_file"] if baseline_record else None
@@ -552,6 +572,10 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                     record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
+            same = baseline_by_precision.get(cell.row_precision)
+            if cell.row_precision != "fp32" and same is not record and cell.id not in done:
+                record.metrics.update(_same_precision_diff(record, same, f"{scenario.baseline} in {cell.row_precision}",
+                                                           weights_dir))
             fp32_id = Cell(cell.strategy, cell.params, cell.world_size).id
             if cell.row_precision == "fp32":
                 fp32_records[cell.id] = record

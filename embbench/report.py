@@ -100,7 +100,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     unique_hit = _get(m, "counters", "unique_hit_rate")
     if _get(m, "extra", "window_hit_rate") is not None:  # MIN counted over a window: the policy over the same steps
         hit, unique_hit = m["extra"]["window_hit_rate"], _get(m, "extra", "window_unique_hit_rate")
-    diff = m.get("max_weight_diff_vs_baseline") if r.semantics == "exact" else None
+    # a rounded cell against the baseline in its own precision where the run has it (not its fp32 rounding)
+    diff = m.get("max_weight_diff_vs_baseline_same_precision", m.get("max_weight_diff_vs_baseline")) \
+        if r.semantics == "exact" else None
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     ops, syncs = m.get("ops_per_step"), m.get("host_syncs_per_step")
     bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
@@ -176,7 +178,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
         "device_bytes": "device MiB: the largest rank",
         "comm": "comm: bytes all ranks send to each other",
         "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
-        "max_dw": "max |Δw| only where the training order is the baseline's",
+        "max_dw": "max |Δw| only where the training order is the baseline's; a fp16 / bf16 / fp8 cell's from the "
+                  "baseline's cell in the same precision where the run has one",
     }
     return Grid(RESULT_COLUMNS, [_row(r, baseline_rate) for r in records], title=title, notes=notes,
                 caption=host_device_caption(records))

@@ -238,6 +238,10 @@ class Metrics(TypedDict):
     weights_file: NotRequired[str | None]
     max_weight_diff_vs_baseline: NotRequired[NonNegative]
     weights_not_compared: NotRequired[str]  # why max_weight_diff_vs_baseline is absent
+    #: a rounded cell's max |Δw| from the baseline's cell in its row precision (max_weight_diff_vs_baseline
+    #: is from the baseline's first cell, its fp32 one where the run has it)
+    max_weight_diff_vs_baseline_same_precision: NotRequired[NonNegative]
+    weights_not_compared_same_precision: NotRequired[str]  # why max_weight_diff_vs_baseline_same_precision is absent
     # |this - the baseline's| for exact strategies that trained the same steps (launch._loss_diffs)
     train_loss_last10_diff_vs_baseline: NotRequired[NonNegative]
     logloss_diff_vs_baseline: NotRequired[NonNegative]
