@@ -171,6 +171,7 @@ def test_records_carry_the_precision_bytes_and_distance_from_fp32_and_refuse_wha
     assert (tmp_path / "device@w1@fp16.json").exists()  # the id is the file name
 
 
+@pytest.mark.slow  # four cells of a scenario
 def test_a_rounded_cell_s_weights_are_compared_with_the_baseline_in_its_own_precision(tmp_path):
     """max_weight_diff_vs_baseline of a fp16 cell is from the fp32 baseline (rounding); the
     exactness of freqcache against device in fp16 shows in its own field: 0, as it trains
