@@ -42,7 +42,7 @@ import torch
 
 from pydantic import ValidationError
 
-from embbench import cell_process
+from embbench import cell_process, owned
 from embbench.data.cache import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
@@ -64,6 +64,20 @@ class CellOutcome:
     status: Status
     message: str | None
     metrics: dict[str, Any] | None
+    #: why a ``skipped`` cell was (:class:`Refusal`'s cause)
+    cause: str | None = None
+
+
+class Refusal(str):
+    """The preflight's reason a cell cannot run here, and its ``cause``: ``memory`` or ``drive``
+    (space: a smaller ``--scale`` may fit) or ``store_dir`` (the folder itself: no scale mends it)."""
+
+    cause: str
+
+    def __new__(cls, text: str, cause: str) -> "Refusal":
+        refusal = super().__new__(cls, text)
+        refusal.cause = cause
+        return refusal
 
 
 def _free_port() -> int:
@@ -152,16 +166,16 @@ def _main_module_hidden():
 
 
 def _kill(procs: list[Any]) -> None:
+    """Kill the ranks and every process they started (each rank leads a session of its own):
+    the session too of a rank that has ended, where a plugin's child may live on."""
     procs = [p for p in procs if p.pid is not None]  # one interrupted before it started has nothing to kill
     for p in procs:
-        if p.exitcode is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):  # not yet in its own session
-                try:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not yet in its own session, or nothing left in it
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
     for p in procs:
         p.join()
 
@@ -258,6 +272,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             "work_dir": str(work),
         }
         spec_path = tmp_dir / "spec.json"
+        claims = tmp_dir / "claims.txt"  # what the ranks make outside the cell's folders (embbench.owned)
         spec_path.write_text(json.dumps(spec))
         port = _free_port()
         procs: list[Any] = []
@@ -277,7 +292,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 env = {k: v for k, v in os.environ.items() if k != "EMBBENCH_LAUNCHER_PID"}
                 env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
                            LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           PYTHONUNBUFFERED="1")
+                           PYTHONUNBUFFERED="1", **{owned.RUN_ENV: owned.run_id(), owned.CLAIMS_ENV: str(claims)})
                 try:
                     if forked:
                         proc = ctx.Process(target=cell_process.rank_main, args=(str(spec_path), str(log), env, list(sys.path)),
@@ -306,6 +321,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             ended = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         finally:
             _kill(procs)  # reaps everything, also on KeyboardInterrupt
+            owned.remove_claimed(claims, owned.run_id())  # the files the ranks made outside work/ (a row file)
         _poll_progress(tmp_dir / "progress.json", progress, on_progress)  # the last phase reached
         errors = [(json.loads(p.read_text()), p.stem.removeprefix("error.rank")) for p in tmp_dir.glob("error.rank*.json")]
         if errors:
@@ -687,10 +703,10 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
     if on_host * cell.world_size > free:
         pinned = "".join(f", {n / 2**30:,.2f} GiB of it {what}" for n, what in
                          ((est.pinned_bytes, "pinned"), (est.managed_bytes, "managed")) if n)
-        return per_rank, (f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host memory "
-                          f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine has "
-                          f"{free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all) "
-                          f"(--force runs it anyway)")
+        return per_rank, Refusal(f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host "
+                                 f"memory ({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine "
+                                 f"has {free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in "
+                                 "all) (--force runs it anyway)", "memory")
     if est.disk_bytes:
         refused = _disk_preflight(est, cell.world_size, Path(est.disk_dir) if est.disk_dir else run_dir or Path.cwd())
         if refused:
@@ -699,30 +715,35 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
         for rank in range(min(cell.world_size, torch.cuda.device_count())):
             gpu_free, gpu_total = _free_device_bytes(torch.device("cuda", rank))
             if est.device_bytes > gpu_free:
-                return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
-                                  f"rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
-                                  f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)")
+                return per_rank, Refusal(f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device "
+                                         f"memory per rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
+                                         f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)", "memory")
             if est.managed_bytes and est.device_bytes + est.managed_bytes > gpu_free:
-                return per_rank, (f"not attempted: estimated {est.managed_bytes / 2**30:,.1f} GiB of managed (unified) "
-                                  f"memory per rank beside {est.device_bytes / 2**30:,.1f} GiB of device memory, GPU "
-                                  f"{rank} has {gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed "
-                                  f"memory beyond the GPU's free memory can hang it (--force runs it anyway)")
+                return per_rank, Refusal(
+                    f"not attempted: estimated {est.managed_bytes / 2**30:,.1f} GiB of managed (unified) memory per "
+                    f"rank beside {est.device_bytes / 2**30:,.1f} GiB of device memory, GPU {rank} has "
+                    f"{gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed memory beyond the "
+                    "GPU's free memory can hang it (--force runs it anyway)", "memory")
     return per_rank, None
 
 
-def _disk_preflight(est: MemoryFootprint, world_size: int, folder: Path) -> str | None:
+def _disk_preflight(est: MemoryFootprint, world_size: int, folder: Path) -> Refusal | None:
     """Why the strategy's files cannot go in ``folder`` (it is missing, not writable, or its drive
-    lacks the space), or None. A run directory not made yet is measured where it will be."""
+    lacks the space), or None. A run directory not made yet is measured where it will be; files
+    that dead runs left there (:mod:`embbench.owned`: removed when the cell starts) count as free."""
     if est.disk_dir and not Path(est.disk_dir).is_dir():
-        return f"not attempted: store_dir {est.disk_dir} " + ("is not a directory" if Path(est.disk_dir).exists()
-                                                              else "does not exist")
+        return Refusal(f"not attempted: store_dir {est.disk_dir} " + (
+            "is not a directory" if Path(est.disk_dir).exists() else "does not exist"), "store_dir")
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if est.disk_dir and not os.access(existing, os.W_OK | os.X_OK):
-        return f"not attempted: store_dir {est.disk_dir} is not writable by this user"
-    need, free = est.disk_bytes * world_size, shutil.disk_usage(existing).free
+        return Refusal(f"not attempted: store_dir {est.disk_dir} is not writable by this user", "store_dir")
+    need = est.disk_bytes * world_size + est.scratch_bytes
+    free = shutil.disk_usage(existing).free + owned.abandoned_bytes(existing)
     if need > free:
-        return (f"not attempted: estimated {need / 2**30:,.1f} GiB of files in {folder} ({world_size} rank(s) x "
-                f"{est.disk_bytes / 2**30:,.2f} GiB), its drive has {free / 2**30:,.1f} GiB free (--force runs it anyway)")
+        scratch = f" and {est.scratch_bytes / 2**30:,.2f} GiB of scratch" if est.scratch_bytes else ""
+        return Refusal(f"not attempted: estimated {need / 2**30:,.1f} GiB of files in {folder} ({world_size} rank(s) x "
+                       f"{est.disk_bytes / 2**30:,.2f} GiB{scratch}), its drive has {free / 2**30:,.1f} GiB free "
+                       "(--force runs it anyway)", "drive")
     return None
 
 
@@ -761,5 +782,5 @@ def outcome_without_launch(scenario: Scenario, cell: Cell, force: bool = False,
     except RuntimeError as e:
         return CellOutcome("error", str(e), None)
     if too_big and not force:
-        return CellOutcome("skipped", too_big, None)
+        return CellOutcome("skipped", too_big, None, getattr(too_big, "cause", "memory"))
     return None

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embbench import noise
+from embbench import noise, owned
 from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench.data.sources import eval_batches
 from embbench.data.weights import initial_weights
@@ -659,6 +659,8 @@ def _die_with_the_launcher(scratch: Path) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(0.2)
+        if os.environ.get(owned.CLAIMS_ENV):  # the row files this cell made outside its scratch
+            owned.remove_claimed(Path(os.environ[owned.CLAIMS_ENV]), owned.run_id())
         shutil.rmtree(scratch, ignore_errors=True)
         os._exit(1)
 

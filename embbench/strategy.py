@@ -121,7 +121,8 @@ class MemoryFootprint:
     ``managed_bytes``: of ``host_bytes``, those in CUDA managed (unified) memory, which the GPU
     pages in on demand: the preflight also holds them to the GPU's free memory.
     ``disk_bytes``: a file the strategy writes on a drive, in ``disk_dir`` (None: the cell's
-    own folder in the run directory); the preflight holds them to that drive's free space.
+    own folder in the run directory); the preflight holds them to that drive's free space, with
+    ``scratch_bytes`` beside them (once for the cell, not per rank: a drive probe's file).
     """
 
     device_bytes: int = 0
@@ -130,6 +131,7 @@ class MemoryFootprint:
     managed_bytes: int = 0
     disk_bytes: int = 0
     disk_dir: str | None = None
+    scratch_bytes: int = 0
 
 
 @dataclass

@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections import namedtuple
@@ -374,13 +376,29 @@ def test_the_probe_on_tmpfs_says_so_and_measures_no_drive():
 @pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError])
 def test_the_scratch_file_is_removed_when_the_probe_is_stopped(drive_dir, monkeypatch, fault):
     def stopped(*args):
-        assert len(list(drive_dir.iterdir())) == 1  # the scratch file exists now
+        assert len(list(drive_dir.glob(".embbench-disk-probe-*.pages"))) == 1  # the scratch file exists now
         raise fault()
 
     monkeypatch.setattr(probe_module, "_rate", stopped)
     with pytest.raises(fault):
         measure_drive(drive_dir, seconds=0.05, depths=(1,), file_bytes=8 * PAGE)
     assert list(drive_dir.iterdir()) == []
+
+
+def test_a_killed_probe_s_scratch_file_is_removed_by_the_next_probe(drive_dir):
+    """Issue 50, 2: SIGKILL leaves the scratch file; its owner note names a dead pid, so the next
+    probe in that folder removes it (a file of that name without a note is not the probe's)."""
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal\n"
+                               "from embbench.disk import probe\n"
+                               "probe._rate = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+                               f"probe.measure_drive({str(drive_dir)!r}, 0.05, (1,), 8 * 4096)"],
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    assert killed.wait() == -9
+    left = sorted(p.name for p in drive_dir.iterdir())
+    assert len(left) == 2 and left[0].endswith(".pages") and left[1].endswith(".pages.embbench-owner")
+    (drive_dir / ".embbench-disk-probe-1-mine.pages").write_text("not the probe's")
+    measure_drive(drive_dir, seconds=0.02, depths=(1,), file_bytes=8 * PAGE, ceiling_seconds=0.02)
+    assert [p.name for p in drive_dir.iterdir()] == [".embbench-disk-probe-1-mine.pages"]
 
 
 def test_the_command_prints_the_table(drive_dir, capsys):

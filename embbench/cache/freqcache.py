@@ -25,6 +25,7 @@ below the class (:class:`CapturedStep`, :class:`_StreamRecorder`) are the seam i
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import time
 import weakref
@@ -448,8 +449,13 @@ class FreqCache(SparseModule):
         rows.fill(make_rows, run=fill_in_parallel)
         self._drive = None
         if params.drive_probe_s and ctx.env.rank == 0:  # the drive's own rate, beside what the store achieves
-            self._drive = measure_drive(folder, params.drive_probe_s, (params.io_depth,), _PROBE_FILE_BYTES,
-                                        ceiling_seconds=min(0.5, params.drive_probe_s)).as_dict()
+            try:
+                self._drive = measure_drive(folder, params.drive_probe_s, (params.io_depth,), _PROBE_FILE_BYTES,
+                                            ceiling_seconds=min(0.5, params.drive_probe_s)).as_dict()
+            except OSError as error:  # a drive filled since the preflight: the probe is optional, the cell is not
+                if error.errno != errno.ENOSPC:
+                    raise
+                self._drive = {"path": str(folder), "problem": f"not measured: {error.strerror}"}
         return rows
 
     def _apply_late(self) -> None:
@@ -675,7 +681,8 @@ class FreqCacheStrategy(Strategy):
             layout = PageLayout(n, row_bytes)
             blocks = math.ceil(layout.pages / layout.pages_per_row)
             return MemoryFootprint(device_bytes=device, host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes)
-                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir)
+                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir,
+                                   scratch_bytes=_PROBE_FILE_BYTES if self.params.drive_probe_s else 0)
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 
     def build(self, ctx: BuildContext) -> SparseModule:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embbench import owned
 from embbench.disk.layout import PAGE
 from embbench.disk.pagefile import DirectIOError, PageFile, aligned_pages, ensure_space, mount_of
 from embbench.disk.reader import ENGINES, Reader, get_reader
@@ -32,6 +33,8 @@ DEFAULT_FILE_BYTES = 1 << 30
 CEILING_FILE_BYTES = 256 << 20
 #: Pages written a call while filling the scratch file (8 MiB).
 FILL_PAGES = 2048
+#: The scratch file's name in the measured folder (hidden), then ``<pid>-<random>.pages``.
+SCRATCH_PREFIX = ".embbench-disk-probe-"
 
 
 @dataclass(frozen=True)
@@ -137,18 +140,18 @@ def measure_drive(path: str | os.PathLike, seconds: float = 3.0, depths: tuple[i
     mount, rng, load_before = mount_of(path), np.random.default_rng(seed), os.getloadavg()[0]
     pages = file_bytes // PAGE
     drive, problem = None, None
-    scratch = path / f".embbench-disk-probe-{os.getpid()}-{secrets.token_hex(4)}.pages"
+    owned.remove_abandoned(path, f"{SCRATCH_PREFIX}*.pages")  # a killed probe's: its owners are dead
+    scratch = path / f"{SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.pages"
+    owned.claim(scratch)  # the launcher removes it if this process is killed in a cell
     try:
-        file = PageFile.create(scratch, pages, reader=get_reader(max(depths), engine))
-    except DirectIOError as refused:
-        problem = refused.problem
-    else:
-        try:
+        with PageFile.create(scratch, pages, reader=get_reader(max(depths), engine)) as file:
             _fill(file.write, pages, rng)
             os.fsync(file.fileno())
             drive = [_rate(file.fileno(), pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
-        finally:
-            file.remove()
+    except DirectIOError as refused:
+        problem = refused.problem
+    finally:
+        owned.release(scratch)
     memory = _memory_rates(min(file_bytes, CEILING_FILE_BYTES) // PAGE, depths, engine,
                            min(seconds, 1.0) if ceiling_seconds is None else ceiling_seconds, rng)
     return DriveProbe(str(path), mount.filesystem, mount.device, get_reader(max(depths), engine).kind, file_bytes,
