@@ -323,14 +323,59 @@ def test_the_library_is_built_once_into_the_cache_keyed_by_its_source(drive_dir,
     monkeypatch.delenv("CC", raising=False)
     lib, why = native_library()
     assert lib is not None and why == ""
-    built = list((drive_dir / "cache" / "embbench").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("pageio-") and built[0].suffix == ".so"
+    built = sorted((drive_dir / "cache" / "embbench").iterdir())
+    assert len(built) == 2 and built[0].name.startswith("pageio-") and built[0].suffix == ".so"
+    assert built[1].name == built[0].name + ".sha256"  # the hash of what the build wrote
     monkeypatch.setenv("CC", "no-such-cc-embbench")  # built: no compiler needed any more
     assert native_library()[0] is not None
     monkeypatch.setattr(reader_module, "_SOURCE", drive_dir / "pageio.c")
     (drive_dir / "pageio.c").write_bytes(Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
                                         + b"\n/* changed */\n")
     assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")  # a new source: a new build
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_a_truncated_library_is_rebuilt_not_loaded(drive_dir):
+    """Issue 50, 4: mapping a short library kills the process with SIGBUS; its hash tells first.
+    (Each step in a process of its own: this one never maps the file.)"""
+    env = dict(os.environ, XDG_CACHE_HOME=str(drive_dir / "cache"), PYTHONPATH=str(Path(__file__).parents[1]))
+    env.pop("CC", None)
+
+    def reader_name() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "from embbench.disk import reader\n"
+                               "print(reader.get_reader(2).name)"], env=env, capture_output=True, text=True, timeout=300)
+
+    assert reader_name().stdout.strip() == "native pread pool, 2 threads"
+    library = next((drive_dir / "cache" / "embbench").glob("pageio-*.so"))
+    short = library.with_name("short")
+    short.write_bytes(library.read_bytes()[: library.stat().st_size // 3])
+    os.replace(short, library)  # as an interrupted copy leaves it
+    done = reader_name()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "native pread pool, 2 threads"  # rebuilt
+    assert reader_module._intact(library)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_a_library_without_the_reader_s_functions_falls_back_and_says_so(drive_dir, monkeypatch):
+    """A file under the library's name, intact as its hash says, that is not the reader's: the
+    Python pool reads, and its name says why (before: AttributeError, no fall-back)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(drive_dir / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    library = reader_module._library_path()  # never loaded by this process: it is not the reader's
+    library.parent.mkdir(parents=True)
+    other = drive_dir / "other.c"
+    other.write_text("int something_else(void) { return 1; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(other)], check=True)
+    Path(str(library) + ".sha256").write_text(reader_module._digest(library))
+    lib, why = native_library()
+    assert lib is None and why.startswith(f"loading {library} failed: ") and "pageio_threads" in why
+    reader = get_reader(3)
+    assert reader.engine == "python" and "pageio_threads" in reader.name
+    monkeypatch.setenv("CC", "no-such-cc-embbench")  # damaged and no compiler: said, and the pool reads
+    (drive_dir / "short").write_bytes(b"\x7fELF")
+    os.replace(drive_dir / "short", library)  # a new file: the one this process mapped stays whole
+    assert native_library() == (None, f"no C compiler: no-such-cc-embbench not found (and {library} is damaged)")
 
 
 def test_reader_arguments_are_checked():
