@@ -91,7 +91,7 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     from embbench.results import read_eval_scores
     from embbench.stats import auc_standard_error
 
-    scored = [read_eval_scores(tmp_path / "run" / "eval" / r["metrics"]["accuracy"]["eval_file"]) for r in records]
+    scored = [read_eval_scores(tmp_path / "run", r["metrics"]["accuracy"]["eval_file"]) for r in records]
     for r, (scores, labels) in zip(records, scored):
         accuracy = r["metrics"]["accuracy"]
         assert len(labels) == accuracy["eval_samples"] and (labels == scored[0][1]).all()
