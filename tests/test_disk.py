@@ -446,6 +446,21 @@ def test_a_killed_probe_s_scratch_file_is_removed_by_the_next_probe(drive_dir):
     assert [p.name for p in drive_dir.iterdir()] == [".embbench-disk-probe-1-mine.pages"]
 
 
+def test_a_depth_s_rate_is_never_of_no_reads_and_its_buffer_is_bounded(drive_dir, monkeypatch):
+    sizes = []
+    real = probe_module.aligned_pages
+    monkeypatch.setattr(probe_module, "aligned_pages", lambda n: sizes.append(n) or real(n))
+    probe = measure_drive(drive_dir, seconds=0.01, depths=(1, 1024), file_bytes=8 * PAGE, ceiling_seconds=0.01)
+    assert all(rate.reads > 0 and rate.reads_per_s > 0 for rate in probe.drive + probe.memory)
+    assert max(sizes) <= probe_module.MAX_BATCH_PAGES
+
+
+def test_python_m_probe_is_no_command_and_says_which_is(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "embbench.disk.probe"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])), timeout=120)
+    assert done.returncode == 2 and "usage: embbench disk" in done.stderr
+
+
 def test_the_command_prints_the_table(drive_dir, capsys):
     assert disk_command.main(probe_args(str(drive_dir), "--seconds", "0.05", "--depths", "1,2",
                                         "--file-size", "256KiB")) == 0
@@ -475,4 +490,14 @@ def test_the_command_refuses_a_bad_folder_in_one_line(drive_dir, capsys, monkeyp
                                        f"needs 1.00 GiB, 1.00 MiB free on {mount_of(drive_dir).device}\n")
     assert disk_command.main(probe_args(str(drive_dir), "--depths", "1,x")) == 2
     assert "--depths '1,x': expected numbers separated by commas" in capsys.readouterr().err
+    monkeypatch.undo()
+    bounds = {("--seconds", "nan"): "seconds nan: expected 0.01 to 600 seconds at each depth",
+              ("--seconds", "1e-9"): "seconds 1e-09: expected 0.01 to 600 seconds at each depth",
+              ("--seconds", "inf"): "seconds inf: expected 0.01 to 600 seconds at each depth",
+              ("--seconds", "1e9"): "seconds 1000000000.0: expected 0.01 to 600 seconds at each depth",
+              ("--depths", "100000"): "depths 100000: expected 1 to 1024 reads in flight",
+              ("--depths", "0,4"): "depths 0, 4: expected 1 to 1024 reads in flight"}
+    for (flag, value), message in bounds.items():  # issue 50, 8: a traceback, a run for ever, 12.5 GiB asked
+        assert disk_command.main(probe_args(str(drive_dir), flag, value)) == 2
+        assert capsys.readouterr().err == f"embbench disk: {message}\n"
     assert list(drive_dir.iterdir()) == [drive_dir / "file"]

@@ -53,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
-        print(f"error: standard output is closed; embbench {args.command} prints its results there "
-              "(redirect it to a file or /dev/null instead)", file=sys.stderr)
-        return 2
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # before the arguments: `--iops measured:` measures as it parses
     try:
+        args = build_parser().parse_args(argv)
+        if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
+            print(f"error: standard output is closed; embbench {args.command} prints its results there "
+                  "(redirect it to a file or /dev/null instead)", file=sys.stderr)
+            return 2
         return args.func(args)
     except BrokenPipeError:
         return _stdout_gone()

@@ -33,6 +33,11 @@ DEFAULT_FILE_BYTES = 1 << 30
 CEILING_FILE_BYTES = 256 << 20
 #: Pages written a call while filling the scratch file (8 MiB).
 FILL_PAGES = 2048
+#: Bounds of the arguments: each depth's time, and reads in flight (each a thread of the pread pool).
+SECONDS_RANGE = (0.01, 600.0)
+MAX_DEPTH = 1024
+#: Pages read a call at most (32 MiB of buffer): at the largest depth, 8 rounds of reads a call.
+MAX_BATCH_PAGES = 8192
 #: The scratch file's name in the measured folder (hidden), then ``<pid>-<random>.pages``.
 SCRATCH_PREFIX = ".embbench-disk-probe-"
 
@@ -96,13 +101,14 @@ class DriveProbe:
 def _rate(fd: int, pages: int, reader: Reader, depth: int, seconds: float, rng: np.random.Generator) -> DepthRate:
     """Random reads of whole pages of ``fd`` for about ``seconds``, in calls of many reads each
     (so the call's own cost, threads started and joined, is spread thin)."""
-    batch = max(256, 32 * depth)
+    batch = max(256, min(32 * depth, MAX_BATCH_PAGES))
     out = aligned_pages(batch)
     reads, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
+    while True:  # one call at least: a rate of no reads in no time is no rate
         reader.transfer(fd, rng.integers(0, pages, size=batch), out, write=False)
         reads += batch
-    return DepthRate(depth, reads, elapsed)
+        if (elapsed := time.perf_counter() - start) >= seconds:
+            return DepthRate(depth, reads, elapsed)
 
 
 def _fill(write, pages: int, rng: np.random.Generator) -> None:
@@ -133,9 +139,14 @@ def measure_drive(path: str | os.PathLike, seconds: float = 3.0, depths: tuple[i
     removed when done, also on an error or an interrupt. ``ceiling_seconds`` (default: ``seconds``,
     at most 1) is the time each depth gets from memory."""
     path = Path(path)
-    if seconds <= 0 or not depths or min(depths) < 1 or file_bytes < PAGE:
-        raise ValueError(f"measure_drive: needs seconds > 0, depths >= 1 and file_bytes >= {PAGE}, got {seconds}, "
-                         f"{depths}, {file_bytes}")
+    low, high = SECONDS_RANGE
+    for name, value in (("seconds", seconds), ("ceiling seconds", ceiling_seconds)):
+        if value is not None and not low <= value <= high:  # NaN fails both
+            raise ValueError(f"{name} {value}: expected {low:g} to {high:g} seconds at each depth")
+    if not depths or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DEPTH for d in depths):
+        raise ValueError(f"depths {', '.join(map(str, depths)) or '(none)'}: expected 1 to {MAX_DEPTH} reads in flight")
+    if file_bytes < PAGE:
+        raise ValueError(f"file size {file_bytes} bytes: at least one page ({PAGE} bytes)")
     _check_folder(path, file_bytes)
     mount, rng, load_before = mount_of(path), np.random.default_rng(seed), os.getloadavg()[0]
     pages = file_bytes // PAGE
@@ -168,3 +179,11 @@ def _memory_rates(pages: int, depths, engine: str, seconds: float, rng: np.rando
         return [_rate(fd, pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
     finally:
         os.close(fd)
+
+
+if __name__ == "__main__":  # not a command of its own: `embbench disk`, whose usage this prints
+    import sys
+
+    from embbench.cli import main
+
+    sys.exit(main(["disk", *sys.argv[1:]]))
