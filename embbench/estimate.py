@@ -102,7 +102,9 @@ def at_least(times: list[CellTime]) -> str:
 
 
 def duration(seconds: float) -> str:
-    """``42 s``, ``3 min 5 s``, ``2 h 10 min``."""
+    """``42 s``, ``3 min 5 s``, ``2 h 10 min``; ``over 100 days`` beyond (or not finite)."""
+    if not seconds < 100 * 86400:
+        return "over 100 days"
     seconds = max(0.0, seconds)
     if seconds < 60:
         return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
@@ -140,10 +142,19 @@ def earlier_records(scenario: Scenario, directories: list[Path], device: torch.d
     return found
 
 
-def _from_record(record: Record, directory: Path) -> StepCost:
+#: A recorded step or batch beyond this (a day) is no measurement to build an estimate on.
+_ABSURD_S = 86400.0
+
+
+def _from_record(record: Record, directory: Path) -> StepCost | None:
+    """The step cost a record measured; None where its figures are absurd (a step of 1e308 s, a
+    generator of 1e-300 samples a second: the record's other figures say nothing either)."""
     m = record.metrics
     step = m["step_time_s"].get("median_of_repeats", m["step_time_s"]["median"])
     batch = m["samples_per_step"] / m["generator_samples_per_s"] if m.get("generator_samples_per_s") else 0.0
+    if not (step < _ABSURD_S and batch < _ABSURD_S and m.get("build_seconds", 0) < _ABSURD_S * 30
+            and m.get("cell_seconds", 0) < _ABSURD_S * 30):
+        return None
     start_up = None
     if "cell_seconds" in m and "build_seconds" in m:
         evaluated = (m.get("accuracy") or {}).get("eval_samples", 0) // m["samples_per_step"]
@@ -170,8 +181,10 @@ def _timed(work: Callable[[], object], device: torch.device) -> float:
 
 @functools.cache
 def fill_rate(dim: int) -> float:
-    """Bytes of initial weights one core makes per second here (the best of 3 chunks)."""
-    table = TableSpec("t", 4096, dim, 1, 1.0)
+    """Bytes of initial weights one core makes per second here (the best of 3 chunks of at most
+    4 MiB: a huge dim must not allocate a huge chunk)."""
+    table = TableSpec("t", 4096, max(1, min(dim, 256)), 1, 1.0)
+    dim = table.dim
     with _threads(1):
         seconds = min(_timed(lambda: initial_weights(table, 0, 0, 0, table.num_rows), torch.device("cpu"))
                       for _ in range(3))
@@ -220,7 +233,8 @@ def _rough_step(scenario: Scenario, tables: list[TableSpec], local_batch: int, t
     forward's multiply-adds, and the interaction's), and each looked-up row read, its gradient
     written and its weights updated (4 passes)."""
     dim = tables[0].dim
-    model = build_model(scenario.model, NUM_DENSE_FEATURES, len(tables), dim)
+    with torch.device("meta"):  # shapes only: a huge --embedding-dim allocates nothing here
+        model = build_model(scenario.model, NUM_DENSE_FEATURES, len(tables), dim)
     linear = sum(p.numel() for name, p in model.named_parameters() if name.endswith("weight"))
     interaction = (len(tables) + 1) ** 2 * dim
     flops = 3 * 2 * (linear + interaction) * local_batch
@@ -321,9 +335,8 @@ def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], devi
     calibrations: dict = {}
     times = []
     for cell in cells:
-        if cell.id in earlier:
-            cost = _from_record(*earlier[cell.id])
-        else:
+        cost = _from_record(*earlier[cell.id]) if cell.id in earlier else None
+        if cost is None:
             cost = _fresh_cost(scenario, tables, cell.world_size, device, calibrations)
         build = cost.build_s
         if build is None:
