@@ -13,7 +13,9 @@ third party's would::
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -354,20 +356,47 @@ def _validate(name: str, cls: object, source: str) -> type[Strategy]:
 @cache
 def _discover() -> tuple[dict[str, type[Strategy]], dict[str, str]]:
     """Every ``embbench.strategies`` entry point: the usable strategies, and why the others are
-    broken (an import that fails, a class that breaks the contract, a name taken twice)."""
+    broken (an import that fails, or exits, a class that breaks the contract, a name taken twice).
+
+    A plugin runs its import here: whatever it prints goes to stderr (stdout may be a command's
+    JSON), and whatever it raises, ``SystemExit`` included, breaks that plugin only. A plugin that
+    takes a built-in strategy's name is ignored, named with both entry points (the built-in stays);
+    two plugins that take one name are both broken."""
+    by_name: dict[str, list] = {}
+    for ep in entry_points(group="embbench.strategies"):
+        by_name.setdefault(ep.name, []).append(ep)
     found: dict[str, type[Strategy]] = {}
     broken: dict[str, str] = {}
-    for ep in entry_points(group="embbench.strategies"):
-        if ep.name in found or ep.name in broken:
-            found.pop(ep.name, None)
-            broken[ep.name] = f"strategy {ep.name!r} is registered twice ({ep.value})"
-            continue
+    for name, points in by_name.items():
+        builtin = [ep for ep in points if _is_builtin(ep)]
+        if len(points) > 1:
+            where = " and ".join(_entry_point_text(ep) for ep in points)
+            if len(builtin) != 1:
+                broken[name] = f"strategy {name!r} is registered twice: {where}"
+                continue
+            for ep in points:
+                if ep is not builtin[0]:
+                    broken[f"{name} ({ep.value})"] = (f"strategy {name!r} is registered twice: {where}; the built-in "
+                                                      "one is used, the plugin's is ignored (rename it)")
+            points = builtin
+        ep = points[0]
         try:
-            found[ep.name] = _validate(ep.name, ep.load(), ep.value)
-        except Exception as e:  # a third party's package must not break every run
-            broken[ep.name] = str(e) if isinstance(e, TypeError) else \
-                f"strategy {ep.name!r} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}"
+            with contextlib.redirect_stdout(sys.stderr):
+                found[name] = _validate(name, ep.load(), ep.value)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # a third party's package must not break (or end) every command
+            broken[name] = str(e) if isinstance(e, TypeError) else \
+                f"strategy {name!r} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}"
     return dict(sorted(found.items())), dict(sorted(broken.items()))
+
+
+def _is_builtin(ep) -> bool:
+    return ep.dist is not None and ep.dist.name == "embbench"
+
+
+def _entry_point_text(ep) -> str:
+    return f"{ep.value} ({ep.dist.name} {ep.dist.version})" if ep.dist is not None else ep.value
 
 
 def load_strategies() -> dict[str, type[Strategy]]:
