@@ -47,8 +47,8 @@ from embbench.data.cache import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.provenance import provenance
-from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status, load_records, read_record,
-                              scenario_differences, schema_error, write_eval_scores, write_record)
+from embbench.results import (EVAL_DIR, EVAL_SCORES, WEIGHTS_NOT_SAVED, Record, RecordError, Status, load_records,
+                              read_record, scenario_differences, schema_error, write_eval_scores, write_record)
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 
@@ -530,6 +530,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     baseline_record: Record | None = None
     baseline_ok: Record | None = None  # the baseline's record, for the loss check
     fp32_records: dict[str, Record] = {}  # by the fp32 cell's id
+    told_unsaved = False  # that flushed weights could not be saved
     initial: list[torch.Tensor] | None = None
     records = []
     for cell in cells:
@@ -550,6 +551,11 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                                  provenance=provenance(cell.strategy))
         if record.status == "ok" and cell.strategy == scenario.baseline and baseline_ok is None:
             baseline_ok = record
+        unsaved = (record.metrics or {}).get("weights_not_compared", "") if cell.id not in done else ""
+        if unsaved.startswith(WEIGHTS_NOT_SAVED) and not told_unsaved:  # a full disk: said once, not only in records
+            notice(f"{unsaved}; the weights of this and later cells are not compared where they cannot be saved "
+                   "(each record says so)")
+            told_unsaved = True
         diffs = _loss_diffs(record, baseline_ok) if write else {}
         if diffs:
             record.metrics.update(diffs)

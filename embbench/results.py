@@ -482,6 +482,9 @@ RUN_CURVE = "curve.json"
 #: (:func:`write_eval_scores`) and the record keeps the file's name (``accuracy.eval_file``).
 EVAL_SCORES = "eval_scores"
 EVAL_DIR = "eval"
+#: How ``metrics.weights_not_compared`` begins where the rank could not write the flushed weights
+#: (a full disk): the launcher says it on the console too.
+WEIGHTS_NOT_SAVED = "cannot save the flushed weights"
 
 
 def write_eval_scores(path: Path, scores: list[float], labels: list[int]) -> Path:

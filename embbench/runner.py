@@ -36,7 +36,7 @@ from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, 
 from embbench.model import build_model
 from embbench.outputs import atomic_write
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
-from embbench.results import EVAL_SCORES
+from embbench.results import EVAL_SCORES, WEIGHTS_NOT_SAVED
 from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
@@ -469,7 +469,7 @@ def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: f.write(data.getbuffer()))  # whole or not at all: no half file to compare
     except OSError as e:
-        return {"weights_file": None, "weights_not_compared": f"cannot save the flushed weights to {path}: {e.strerror}"}
+        return {"weights_file": None, "weights_not_compared": f"{WEIGHTS_NOT_SAVED} to {path}: {e.strerror}"}
     return {"weights_file": path.name}
 
 

@@ -187,3 +187,17 @@ def test_printed_commands_start_with_the_executable_the_user_typed(tmp_path):
                               capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr
         assert f"run it with: {shlex.join([*program, 'run', str(scenario), '--data-cache', str(cache)])}" in proc.stdout
+
+
+def test_a_ctrl_c_during_the_interpreter_s_exit_prints_no_traceback(tmp_path):
+    """Issue 50, 11: after the command, a Ctrl-C that lands in an exit handler (the third of a
+    run's, say) ends the process with 130 and no traceback."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))  # runs at exit\n"
+              "from embbench.cli import main\n"
+              "sys.argv = ['embbench', 'strategies']\n"
+              "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    assert done.returncode == 130

@@ -203,3 +203,19 @@ def test_a_child_a_rank_started_is_killed_with_the_cell(tmp_path, leaving_plugin
     if alive:
         os.kill(child, 9)
     assert not alive
+
+
+def test_flushed_weights_that_cannot_be_saved_are_said_on_the_console_once(tmp_path):
+    """Issue 50, 11: a full disk during the weights copy was in each record only."""
+    from embbench.launch import CellOutcome
+
+    scenario, cells = parse_scenario(tiny_scenario(), "t.yaml")
+    why = f"cannot save the flushed weights to {tmp_path}/weights/x.pt: No space left on device"
+
+    def execute(cell, weights):
+        return CellOutcome("ok", None, {**make_record().metrics, "weights_file": None, "weights_not_compared": why})
+
+    notes = []
+    records = run_cells(scenario, "t.yaml", cells, tmp_path, execute=execute, on_notice=notes.append)
+    assert all(r.metrics["weights_not_compared"] == why for r in records)
+    assert len(notes) == 1 and notes[0].startswith(why) and "not compared" in notes[0]

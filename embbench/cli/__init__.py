@@ -46,10 +46,18 @@ def _stdout_gone() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; ``argv`` None: this process's own command line, whose exit follows."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # another Ctrl-C while the first unwinds (its message, the handlers' reset): said once
         return 130
+    finally:
+        if argv is None:  # the command is done: a Ctrl-C during the interpreter's exit ends it quietly
+            signal.signal(signal.SIGINT, _exit_now)
+
+
+def _exit_now(signum, frame):
+    os._exit(130)  # no traceback from inside the interpreter's exit (threads joined, atexit handlers)
 
 
 def _main(argv: list[str] | None) -> int:
