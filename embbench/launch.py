@@ -48,7 +48,8 @@ from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.provenance import provenance
 from embbench.results import (EVAL_DIR, EVAL_SCORES, WEIGHTS_NOT_SAVED, Record, RecordError, Status, load_records,
-                              read_record, scenario_differences, schema_error, write_eval_scores, write_record)
+                              read_record, scenario_differences, schema_error, write_record)
+from embbench.eval_scores import write_eval_scores
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 

@@ -26,7 +26,8 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from embbench.columns import flat_row, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
-from embbench.results import Record, RecordError, read_eval_scores
+from embbench.eval_scores import read_eval_scores
+from embbench.results import Record, RecordError
 from embbench.stats import AucComparison, delong, interval_text
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",

@@ -88,7 +88,7 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     records = [json.loads(p.read_text()) for p in (tmp_path / "run").glob("*.json")]
     assert len(records) == 4 and all(r["status"] == "ok" and 0 < r["metrics"]["accuracy"]["auc"] < 1 for r in records)
     # each cell's evaluation scores beside the records, on the same samples (issue 41: recommend's DeLong test)
-    from embbench.results import read_eval_scores
+    from embbench.eval_scores import read_eval_scores
     from embbench.stats import auc_standard_error
 
     scored = [read_eval_scores(tmp_path / "run", r["metrics"]["accuracy"]["eval_file"]) for r in records]

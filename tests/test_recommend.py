@@ -298,7 +298,8 @@ def test_delongs_test_agrees_with_a_paired_bootstrap_on_the_same_samples():
 
 
 def _with_scores(record, run, scores, labels):
-    from embbench.results import EVAL_DIR, write_eval_scores
+    from embbench.eval_scores import write_eval_scores
+    from embbench.results import EVAL_DIR
 
     name = f"{record.strategy}.npz"
     write_eval_scores(run / EVAL_DIR / name, scores.tolist(), labels.astype(int).tolist())
@@ -378,7 +379,7 @@ def test_a_damaged_eval_file_makes_its_cell_cannot_judge_and_never_fails_the_com
     labels, a, _ = _scored(2048)
     run = tmp_path / "run"
     outside = tmp_path / "x.npz"  # a file outside the run that would decide the verdict
-    from embbench.results import write_eval_scores
+    from embbench.eval_scores import write_eval_scores
 
     write_eval_scores(outside, (-a + labels * 0.5).tolist(), labels.astype(int).tolist())
     base = _with_scores(make_record("device", step_times=[0.005] * 12, auc=0.7521), run, a, labels)

@@ -181,9 +181,9 @@ def _memory_rates(pages: int, depths, engine: str, seconds: float, rng: np.rando
         os.close(fd)
 
 
-if __name__ == "__main__":  # not a command of its own: `embbench disk`, whose usage this prints
+if __name__ == "__main__":  # a module, not a command: say which command measures a drive
     import sys
 
-    from embbench.cli import main
-
-    sys.exit(main(["disk", *sys.argv[1:]]))
+    print("usage: embbench disk PATH [--seconds S] [--depths D,D,...] [--file-size SIZE] [--engine E] [--json]\n"
+          "(python -m embbench.disk.probe runs nothing: `embbench disk --help` says more)", file=sys.stderr)
+    sys.exit(2)
