@@ -364,3 +364,18 @@ def test_a_store_dir_refusal_is_not_called_a_memory_one(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "1 cell(s) cannot use their store_dir" in out
     assert "would not fit" not in out and "scale" not in out
+
+
+def test_a_drive_without_room_for_the_probe_skips_the_probe_not_the_cell(tmp_path, monkeypatch):
+    """Issue 50, 5: the probe is optional; a drive filled since the preflight costs its figures only."""
+    from embbench.cache import freqcache
+
+    def full(folder, *args, **kw):
+        raise OSError(errno.ENOSPC, f"not enough space for the probe's scratch file in {folder}: needs 256 MiB")
+
+    monkeypatch.setattr(freqcache, "measure_drive", full)
+    tables = [TableSpec("a", 4000, 8, 1, 1.0)]
+    _, on_file = _pair(tables, _batches(tables, 2, 8, 0), EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path,
+                       drive_probe_s=0.1)
+    drive = on_file.extra_metrics()["drive"]
+    assert drive["problem"].startswith("not measured: not enough space for the probe's scratch file")
