@@ -53,8 +53,8 @@ from embbench.eval_scores import write_eval_scores
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 
-__all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "other_scenario", "reusable_records",
-           "run_cells", "run_isolated", "scenario_info"]
+__all__ = ["HOST_HEADROOM", "RANK_PROCESS_BYTES", "CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight",
+           "other_scenario", "rank_process_bytes", "reusable_records", "run_cells", "run_isolated", "scenario_info"]
 
 #: How long the other ranks may live on after one rank failed (they may be stuck in a collective).
 _PEER_GRACE_S = 10.0
@@ -632,6 +632,22 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None  # "max": no limit
 
 
+#: What each rank's process takes besides its strategy's estimate: the interpreter, torch and the
+#: libraries a cell imports, its batches. Measured: a CPU rank of the smoke scenario peaked at
+#: 375-381 MiB (results/2026-11-25-cpu-freqcache-v3), a bare interpreter with torch, fbgemm and
+#: torchrec imported holds 428 MiB (2026-11-29, 2 cores); a CUDA rank of the smoke scenario
+#: 1.65-1.91 GiB with its CUDA context (results/2026-11-23-h100/smoke).
+RANK_PROCESS_BYTES = {"cpu": 512 << 20, "cuda": 2 << 30}
+#: The share of the free host memory a cell leaves unused: what no estimate counts (allocator
+#: slack, the page cache a data source reads through, the launcher, other users of the machine).
+HOST_HEADROOM = 0.10
+
+
+def rank_process_bytes(device: torch.device) -> int:
+    """:data:`RANK_PROCESS_BYTES` of a rank on ``device``."""
+    return RANK_PROCESS_BYTES["cuda" if device.type == "cuda" else "cpu"]
+
+
 def _free_host_bytes() -> tuple[int, str]:
     """Host memory a new process can still take without swapping, and where the number comes
     from: the kernel's MemAvailable, lowered to the room left under this container's cgroup
@@ -707,13 +723,15 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
     on_host = est.host_bytes + est.pinned_bytes + (est.device_bytes if device.type == "cpu" else 0)
     per_rank = {"device": est.device_bytes, "host": on_host}
     free, source = _free_host_bytes()
-    if on_host * cell.world_size > free:
+    process = rank_process_bytes(device)  # each rank's interpreter and libraries, beside its tables
+    if (on_host + process) * cell.world_size > (1 - HOST_HEADROOM) * free:
         pinned = "".join(f", {n / 2**30:,.2f} GiB of it {what}" for n, what in
                          ((est.pinned_bytes, "pinned"), (est.managed_bytes, "managed")) if n)
-        return per_rank, Refusal(f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host "
-                                 f"memory ({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine "
-                                 f"has {free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in "
-                                 "all) (--force runs it anyway)", "memory")
+        return per_rank, Refusal(
+            f"not attempted: estimated {(on_host + process) * cell.world_size / 2**30:,.1f} GiB of host memory "
+            f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned} + {process / 2**30:,.2f} GiB a rank's "
+            f"process), this machine has {free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} "
+            f"GiB in all), of which a cell may take {100 * (1 - HOST_HEADROOM):.0f}% (--force runs it anyway)", "memory")
     if est.disk_bytes:
         refused = _disk_preflight(est, cell.world_size, Path(est.disk_dir) if est.disk_dir else run_dir or Path.cwd())
         if refused:

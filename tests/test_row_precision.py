@@ -124,6 +124,7 @@ SHORT = tiny_scenario(run={"warmup_steps": 1, "steps": 3, "repeats": 1, "eval_ba
 
 
 @pytest.mark.parametrize("precision", LOW)
+@pytest.mark.slow
 def test_freqcache_trains_the_same_weights_as_device_in_every_row_type(precision, tmp_path):
     """Both round the same update of a row with the same draws (keyed by its global row), so
     the cache's moves change nothing: equal to the bit, not within a bound."""
@@ -145,6 +146,7 @@ def _in_process(scenario):
     return execute
 
 
+@pytest.mark.slow
 def test_records_carry_the_precision_bytes_and_distance_from_fp32_and_refuse_what_a_strategy_cannot_store(tmp_path):
     raw = {**SHORT, "run": {**SHORT["run"], "row_precision": ["fp16", "fp32", "bf16"]},
            "strategies": [{"name": "device"}, {"name": "fae", "params": {"hot_bytes": 4096}}]}
