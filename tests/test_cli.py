@@ -192,6 +192,7 @@ def test_printed_commands_start_with_the_executable_the_user_typed(tmp_path):
         assert f"run it with: {shlex.join([*program, 'run', str(scenario), '--data-cache', str(cache)])}" in proc.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter importing embbench (over 3 s on 2 cores)
 def test_a_ctrl_c_during_the_interpreter_s_exit_prints_no_traceback(tmp_path):
     """Issue 50, 11: after the command, a Ctrl-C that lands in an exit handler (the third of a
     run's, say) ends the process with 130 and no traceback."""

@@ -455,6 +455,7 @@ def test_a_depth_s_rate_is_never_of_no_reads_and_its_buffer_is_bounded(drive_dir
     assert max(sizes) <= probe_module.MAX_BATCH_PAGES
 
 
+@pytest.mark.slow  # a fresh interpreter importing embbench (over 3 s on 2 cores)
 def test_python_m_probe_is_no_command_and_says_which_is(tmp_path):
     done = subprocess.run([sys.executable, "-m", "embbench.disk.probe"], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])), timeout=120)

@@ -339,6 +339,7 @@ def test_iops_measured_on_a_folder_is_the_drive_s_rate_at_32_in_flight(tmp_path,
     assert tiers.parse_iops(f"measured:{tmp_path}") == 37_000 and calls == [(str(tmp_path), (32,))]
 
 
+@pytest.mark.slow  # a fresh interpreter importing embbench (over 3 s on 2 cores)
 def test_sigterm_while_iops_are_measured_leaves_no_scratch_file(tmp_path):
     """Issue 50, 8: `--iops measured:PATH` measures while the arguments are parsed; SIGTERM then
     (before, the handler came after the parsing) unwinds and removes the probe's scratch file."""
