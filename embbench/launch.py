@@ -71,7 +71,8 @@ class CellOutcome:
 
 class Refusal(str):
     """The preflight's reason a cell cannot run here, and its ``cause``: ``memory`` or ``drive``
-    (space: a smaller ``--scale`` may fit) or ``store_dir`` (the folder itself: no scale mends it)."""
+    (space: a smaller ``--scale`` may fit), ``store_dir`` (the folder itself) or ``shape`` (the
+    strategy's own refusal of this shape, ``MemoryFootprint.refusal``): no smaller scale mends those."""
 
     cause: str
 
@@ -689,8 +690,28 @@ def memory_estimate(scenario: Scenario, cell: Cell) -> MemoryFootprint | None:
     run's batch, training batches and row precision where it declares them), or None."""
     strategy = cell.make_strategy()
     run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
-                          train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision)
+                          train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision,
+                          train_batches=lambda n: _training_batches(scenario, n))
     return strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+
+
+_made_batches: dict[tuple[str, int], list] = {}
+
+
+def _training_batches(scenario: Scenario, n: int) -> list:
+    """The first ``n`` training batches a rank of a one-rank cell builds with (``ctx.train_batches``:
+    the data's order), made as the runner makes them, for an estimate that depends on the data (a
+    row file's blocks a batch touches); the last scenario's are kept (its cells ask in turn)."""
+    key = (scenario.digest(), n)
+    if key not in _made_batches:
+        from embbench.stream import TrainingStream
+
+        run = scenario.run
+        stream = TrainingStream(scenario.data_source(torch.device("cpu")), scenario.data.batch_size, 0, 1,
+                                num_batches=run.training_batches_read())
+        _made_batches.clear()
+        _made_batches[key] = [stream.fresh(i) for i in range(n)]
+    return _made_batches[key]
 
 
 def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
@@ -736,6 +757,8 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
         refused = _disk_preflight(est, cell.world_size, Path(est.disk_dir) if est.disk_dir else run_dir or Path.cwd())
         if refused:
             return per_rank, refused
+    if est.refusal:
+        return per_rank, Refusal(f"not attempted: {est.refusal}", "shape")
     if device.type == "cuda" and torch.cuda.is_available():
         for rank in range(min(cell.world_size, torch.cuda.device_count())):
             gpu_free, gpu_total = _free_device_bytes(torch.device("cuda", rank))

@@ -134,6 +134,8 @@ class MemoryFootprint:
     disk_bytes: int = 0
     disk_dir: str | None = None
     scratch_bytes: int = 0
+    #: why the strategy cannot run at this shape, known before it starts (the preflight skips the cell)
+    refusal: str | None = None
 
 
 @dataclass
@@ -317,8 +319,11 @@ class Strategy(abc.ABC):
         An override may also declare the keyword arguments ``local_batch_size`` (samples per
         step on a rank), ``train_steps`` (the training batches the run hands the module, so
         the most :meth:`SparseModule.look_ahead` ever sees) and ``row_precision`` (the cell's
-        ``run.row_precision``: :func:`~embbench.row_precision.table_bytes` counts its rows);
-        the preflight and ``--dry-run`` pass those it declares (:func:`estimate_kwargs`)."""
+        ``run.row_precision``: :func:`~embbench.row_precision.table_bytes` counts its rows) and
+        ``train_batches`` (as ``BuildContext.train_batches``: the first n training batches, made
+        as a one-rank cell's build gets them; ``world_size`` 1 only, and costly: for a refusal
+        that depends on the data, returned as ``MemoryFootprint.refusal``); the preflight and
+        ``--dry-run`` pass those it declares (:func:`estimate_kwargs`)."""
         return None
 
     def schedule(self, ctx: ScheduleContext) -> Schedule | None:
@@ -331,7 +336,7 @@ class Strategy(abc.ABC):
 
 
 def estimate_kwargs(strategy: Strategy, **run: Any) -> dict[str, Any]:
-    """Of ``run`` (``local_batch_size``, ``train_steps``, ``row_precision``), what
+    """Of ``run`` (``local_batch_size``, ``train_steps``, ``row_precision``, ``train_batches``), what
     ``strategy.estimate_memory`` declares."""
     accepted = inspect.signature(strategy.estimate_memory).parameters
     return {key: value for key, value in run.items() if key in accepted}

@@ -250,7 +250,8 @@ def _file_cell(store_dir=None, dram_ratio=0.1):
     from embbench.launch import memory_preflight
     from embbench.scenario import Cell, parse_scenario
 
-    scenario, _ = parse_scenario(tiny_scenario(), "t.yaml")
+    # tables large enough that a tenth of the row file holds two batches' blocks
+    scenario, _ = parse_scenario(tiny_scenario(data={"scale": 0.2}), "t.yaml")
     params = {"store": "file", "dram_ratio": dram_ratio, **({"store_dir": str(store_dir)} if store_dir else {})}
     return scenario, Cell("freqcache", params, 1), memory_preflight
 
@@ -380,3 +381,23 @@ def test_a_drive_without_room_for_the_probe_skips_the_probe_not_the_cell(tmp_pat
                        drive_probe_s=0.1)
     drive = on_file.extra_metrics()["drive"]
     assert drive["problem"].startswith("not measured: not enough space for the probe's scratch file")
+
+
+def test_the_preflight_refuses_from_the_profile_what_the_build_would_and_says_it_the_same_way(tmp_path):
+    """Issue 49, 2: host memory for two batches' blocks depends on the batches' shape and data only:
+    the preflight makes them as the rank does and refuses with the rank's own words, so --dry-run
+    shows it; a ratio that holds them passes."""
+    from embbench.runner import run_cell
+    from embbench.scenario import Cell, parse_scenario
+    from embbench.strategy import RuntimeEnv
+
+    scenario, cell, preflight = _file_cell(tmp_path, dram_ratio=0.002)
+    cell = Cell("freqcache", {**cell.params, "drive_probe_s": 0}, 1)
+    reason = preflight(scenario, cell, torch.device("cpu"))[1]
+    assert reason is not None and reason.cause == "shape" and "host memory must hold two batches'" in reason
+    with pytest.raises(ValueError) as built:
+        run_cell(scenario, cell, RuntimeEnv(torch.device("cpu")), None)
+    assert reason == f"not attempted: {built.value}"
+    needed = float(reason.rsplit("dram_ratio >= ", 1)[1].split()[0])
+    enough = Cell("freqcache", {**cell.params, "dram_ratio": needed}, 1)
+    assert preflight(scenario, enough, torch.device("cpu"))[1] is None

@@ -40,7 +40,7 @@ from embbench.disk.layout import PAGE, PageLayout
 from embbench.disk.pagefile import PageFile, aligned_pages
 from embbench.disk.reader import get_reader
 
-__all__ = ["FileRows", "STORE_COUNTERS"]
+__all__ = ["FileRows", "STORE_COUNTERS", "host_memory_problem"]
 
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
@@ -108,14 +108,10 @@ class FileRows:
         self.rows_per_block, self.block_pages = layout.rows_per_page, layout.pages_per_row
         self.block_bytes = self.block_pages * PAGE
         self.blocks = math.ceil(rows / self.rows_per_block) if rows else 0
-        capacity = min(self.blocks, math.ceil(dram_ratio * self.blocks))
-        needed = min(self.blocks, 2 * batch_blocks)
-        if capacity < needed:
-            raise ValueError(f"dram_ratio {dram_ratio:g} holds {capacity:,} of the store's {self.blocks:,} blocks of "
-                             f"{self.block_bytes // 1024} KiB; a batch touches up to {batch_blocks:,} and host memory "
-                             f"must hold two batches': dram_ratio >= {math.ceil(100 * needed / self.blocks) / 100:.2f} "
-                             "is needed")
-        self.capacity = capacity
+        problem = host_memory_problem(layout, dram_ratio, batch_blocks)
+        if problem:
+            raise ValueError(problem)
+        self.capacity = capacity = min(self.blocks, math.ceil(dram_ratio * self.blocks))
         self.reserve = min(batch_blocks, capacity // 2)  # kept free for reads on demand
         self.removed_stale: list[str] = []
         self.file = PageFile.create(path, layout.pages, direct=direct, reader=get_reader(io_depth))
@@ -449,6 +445,20 @@ class FileRows:
         staging = aligned_pages(len(blocks) * self.block_pages)
         staging[:] = self.buffer[self._slot_pages(slots)]
         self.file.write(self._pages_of(blocks), staging)
+
+
+def host_memory_problem(layout: PageLayout, dram_ratio: float, batch_blocks: int) -> str | None:
+    """Why ``dram_ratio`` of a store of ``layout`` cannot hold two batches' blocks (a batch touches
+    up to ``batch_blocks``), or None: the store refuses it, and the preflight (from the same
+    profile) before it starts."""
+    blocks = layout.pages // layout.pages_per_row
+    capacity = min(blocks, math.ceil(dram_ratio * blocks))
+    needed = min(blocks, 2 * batch_blocks)
+    if capacity >= needed:
+        return None
+    return (f"dram_ratio {dram_ratio:g} holds {capacity:,} of the store's {blocks:,} blocks of "
+            f"{layout.pages_per_row * PAGE // 1024} KiB; a batch touches up to {batch_blocks:,} and host memory must "
+            f"hold two batches': dram_ratio >= {math.ceil(100 * needed / blocks) / 100:.2f} is needed")
 
 
 #: Row files are named ``embbench-<pid>-rank<r>-<n>.rows`` (the n-th this process made).

@@ -184,7 +184,11 @@ def _say_what_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> No
     if folders:
         console.print(Text(f"{len(folders)} cell(s) cannot use their store_dir (see each one's reason): give them an "
                            "existing folder this user can write", style="yellow"), soft_wrap=True)
-    skipped = [cell for cell in skipped if cell not in folders]
+    shapes = [cell for cell, cause in causes.items() if cause == "shape"]
+    if shapes:
+        console.print(Text(f"{len(shapes)} cell(s) refuse this shape (see each one's reason): a smaller --scale does "
+                           "not mend that", style="yellow"), soft_wrap=True)
+    skipped = [cell for cell in skipped if cell not in folders + shapes]
     if not skipped:
         return
     room = " and ".join(sorted({{"drive": "drive space"}.get(causes.get(c) or "memory", "memory") for c in skipped}))
