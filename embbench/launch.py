@@ -689,10 +689,17 @@ def memory_estimate(scenario: Scenario, cell: Cell) -> MemoryFootprint | None:
     """The strategy's static bytes per rank for this cell (``Strategy.estimate_memory``, given the
     run's batch, training batches and row precision where it declares them), or None."""
     strategy = cell.make_strategy()
-    run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
-                          train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision,
-                          train_batches=lambda n: _training_batches(scenario, n))
-    return strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+    estimate = strategy.estimate_memory
+    key = (scenario.digest(), cell.id, getattr(estimate, "__func__", estimate))  # a method replaced: asked anew
+    if key not in _estimates:  # --dry-run asks twice a cell (its row, its preflight); a profile is costly
+        run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
+                              train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision,
+                              train_batches=lambda n: _training_batches(scenario, n))
+        _estimates[key] = estimate(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+    return _estimates[key]
+
+
+_estimates: dict[tuple[str, str, Callable], MemoryFootprint | None] = {}
 
 
 _made_batches: dict[tuple[str, int], list] = {}
