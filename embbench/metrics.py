@@ -161,8 +161,8 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
     ``hit_rate_of_reaching`` the share of the accesses that reached it (FBGEMM #5777: the
     second falls as the tier above grows); its traffic a step with the tier below it (rows
     read into it, written out of it); on the drive its I/Os (4 KiB pages), read amplification
-    (bytes read over the useful rows' bytes), what the step waited for it (stall) and the reads a
-    second it achieved while reading ahead (pages over the background reader's busy time).
+    (bytes read over the useful rows' bytes), what the step waited for it (stall) and the I/Os a
+    second it achieved while reading (pages moved over the time the reader had one in flight).
     """
     reached = c.get("unique_accesses")
     if not reached or "unique_misses" not in c:
@@ -203,7 +203,10 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
                   "pages_read_on_demand_per_step": per_step(c["nvme_pages_read_on_demand"]),
                   "read_amplification": share(pages_read * page_bytes, misses * row_bytes),
                   "stall_seconds_per_step": per_step(c["stall_ns"] / 1e9),
-                  "reads_per_second": share(c.get("nvme_pages_read_ahead", 0), reads_s) if reads_s else None})
+                  # pages the reader's engine moved over the time it had one in flight (older
+                  # records: the pages read ahead over the reading jobs' time)
+                  "reads_per_second": share(c.get("nvme_engine_ios", c.get("nvme_pages_read_ahead", 0)), reads_s)
+                  if reads_s else None})
     return tiers
 
 

@@ -282,3 +282,85 @@ def test_a_read_on_demand_never_evicts_a_block_the_same_lookup_uses(tmp_path):
     got = _train(on_file, batches, prefetch=True, lookahead=0)
     assert on_file.counters()["nvme_pages_read_on_demand"] > 0
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+class _HeldEngine:
+    """An engine whose submissions wait until the test lets them run (through a real engine):
+    shows what the store keeps in flight at once."""
+
+    def __init__(self, real):
+        self.real, self.held, self.name = real, [], "held"
+
+    def submit(self, fd, pages, buf, buf_pages, write, urgent=False):
+        engine = self
+
+        class Held:
+            ticket = None
+
+            def done(self):
+                return self.ticket is not None and self.ticket.done()
+
+            def wait(self):
+                if self.ticket is None:
+                    self.ticket = engine.real.submit(fd, pages, buf, buf_pages, write, urgent)
+                self.ticket.wait()
+
+        held = Held()
+        self.held.append((len(pages), write, urgent, held))
+        return held
+
+    def stats(self):
+        return self.real.stats()
+
+    def close(self):
+        self.real.close()
+
+
+def test_announced_batches_are_in_flight_together_and_read_straight_into_their_slots(tmp_path, monkeypatch):
+    import embbench.cache.file_rows as file_rows_module
+
+    rows = FileRows(tmp_path / "t.rows", 50_000, 10, torch.float32, dram_ratio=1.0, batch_blocks=100)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10))
+        rows.engine = _HeldEngine(rows.engine)
+        staged = []
+        real_aligned = file_rows_module.aligned_pages
+        monkeypatch.setattr(file_rows_module, "aligned_pages", lambda n: staged.append(n) or real_aligned(n))
+        batches = [np.arange(k * 5000, k * 5000 + 600, 7) for k in range(3)]
+        for number, batch in enumerate(batches):
+            rows.announce(number, batch)
+        # three batches' reads queued at once, none waited for: the engine keeps them in flight together
+        assert [(n, write, urgent) for n, write, urgent, _ in rows.engine.held] == \
+            [(len(np.unique(b // rows.rows_per_block)), False, False) for b in batches]
+        for number, batch in enumerate(batches):
+            assert torch.equal(rows.gather(batch, number)[:, 0], torch.from_numpy(batch).float())
+            rows.release(number)
+        assert staged == []  # no staging buffer: the pages landed in their slots
+        assert rows.counters()["nvme_pages_read_on_demand"] == 0
+    finally:
+        rows.close()
+
+
+def test_a_dirty_block_evicted_and_read_again_at_once_reads_what_was_written(tmp_path):
+    """The write-back goes from a copy while the slot is read into; a read of the same block
+    later must wait for that write (else it reads the old bytes). Transfers run only when
+    waited for here, so a read that does not wait for its block's write reads old bytes."""
+    rows = FileRows(tmp_path / "t.rows", 30_000, 10, torch.float32, dram_ratio=0.1, batch_blocks=12)
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 10))
+        rows.engine = _HeldEngine(rows.engine)
+        rng = np.random.default_rng(0)
+        expected = torch.zeros(30_000, 10)
+        for step in range(60):  # 10 rows of the first 40 blocks a step, in host memory of 30
+            batch = np.unique(rng.integers(0, 40 * rows.rows_per_block, 10))
+            rows.announce(step, batch)
+            got = rows.gather(batch, step)
+            assert torch.equal(got, expected[batch])
+            new = got + 1
+            rows.scatter(batch, new)
+            expected[batch] = new
+            rows.release(step)
+        assert rows.counters()["nvme_pages_written"] > 0
+        assert torch.equal(rows.table(), expected)
+    finally:
+        rows.close()

@@ -8,15 +8,18 @@ file's pages (a *block* is the unit: one page of rows, or the pages of one large
 
 The look-ahead is what lets a drive keep up: each training batch is *announced* when it enters
 freqcache's window (batches before it is planned); the blocks it touches that host memory lacks
-are read then, by a background job whose reads the reader keeps in flight side by side, and
-the batch's blocks are pinned until its rows have moved. Announced batches are issued in order
+are queued then on the reader's engine (:class:`~embbench.disk.reader.Engine`: threads that live
+across calls and keep the reads of successive announcements in flight together), which reads
+each page straight into its slot, and the batch's blocks are pinned until its rows have moved. Announced batches are issued in order
 as long as the pinned blocks leave a quarter of host memory free; the rest wait in a queue. A
 step waits only for reads that have not arrived (its *stall*); a row that no announcement
 brought (an evaluation batch, a write-back into an evicted block) is read on demand, also a
-stall. Evicted dirty blocks are written back to the file before their memory is reused.
+stall. An evicted dirty block is copied out of its slot and written from that copy, so the read
+into the slot need not wait; a read of a block whose write (or patch) is still in flight waits
+for it.
 
-Every bookkeeping array is the calling thread's: the background worker only moves bytes
-between the file and blocks that no one else touches until its job is reaped.
+Every bookkeeping array is the calling thread's: the engine only moves bytes between the file
+and slots that no one else touches until their transfer is reaped.
 """
 
 from __future__ import annotations
@@ -37,24 +40,24 @@ import torch
 from torch import Tensor
 
 from embbench.disk.layout import PAGE, PageLayout
-from embbench.disk.pagefile import PageFile, aligned_pages
-from embbench.disk.reader import get_reader
+from embbench.disk.pagefile import PageFile, Transfer, aligned_pages
+from embbench.disk.reader import Engine, get_reader
 
 __all__ = ["FileRows", "STORE_COUNTERS"]
 
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
                   "nvme_pages_written", "nvme_pages_read_on_demand", "nvme_pages_read_ahead", "nvme_read_ns",
-                  "stall_ns", "prefetch_batches_waited")
+                  "nvme_engine_ios", "stall_ns", "prefetch_batches_waited")
 
 
 @dataclass
 class _Job:
-    """One announced batch's I/O: dirty victims out, then the missing blocks in."""
+    """One announced batch's reads of the blocks it lacked, straight into their slots."""
 
     number: int
     slots: np.ndarray  # the slots it fills (their ready flag is set when it is reaped)
-    future: Future
+    reads: Transfer
 
 
 class FileRows:
@@ -106,6 +109,7 @@ class FileRows:
         self.removed_stale: list[str] = []
         self.file = PageFile.create(path, layout.pages, direct=direct, reader=get_reader(io_depth))
         _lock(self.file)
+        self.engine = Engine(io_depth)  # the reads ahead, on demand and the write-backs
         self.path = self.file.path
         self.buffer = aligned_pages(capacity * self.block_pages)  # [pages, PAGE] uint8
         self._rows = self._block_rows(self.buffer)  # every row of every slot: [slot, row in block, byte]
@@ -118,13 +122,16 @@ class FileRows:
         self.read_for = np.full(capacity, -1, np.int64)  # the batch whose announcement read the slot's block
         self.filled_by = np.full(capacity, -1, np.int64)  # the job that fills the slot
         self._clock = 0
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-io")
+        self._patcher = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-patch")  # read, patch, write
         self._jobs: deque[_Job] = deque()  # submitted, not reaped, in order
+        # blocks with a write (a write-back or a patch) in flight: a read of one waits for it
+        self._writing: dict[int, Transfer | Future] = {}
+        self._writes: deque[tuple[np.ndarray, Transfer | Future]] = deque()  # in flight, in order
         self._queued: deque[tuple[int, np.ndarray]] = deque()  # announced, not issued: (number, blocks)
         self._pinned: dict[int, np.ndarray] = {}  # issued batch -> its slots
         # an announced batch's reads and writes, counted when its rows have moved (its reads may
         # be issued many batches before: the step that uses them is the one they serve)
-        self._issued: dict[int, list[tuple[int, int, Future]]] = {}
+        self._issued: dict[int, list[tuple[int, int]]] = {}
         self.counts = dict.fromkeys(STORE_COUNTERS, 0)
 
     # -- what the caller sees --------------------------------------------------------------------
@@ -139,7 +146,7 @@ class FileRows:
     def describe(self) -> dict:
         return {"store": "file", "store_file": str(self.path), "store_file_bytes": self.layout.file_bytes,
                 "store_filesystem": self.file.filesystem, "store_direct": self.file.direct,
-                "store_direct_problem": self.file.direct_problem, "store_reader": self.file.reader.name,
+                "store_direct_problem": self.file.direct_problem, "store_reader": self.engine.name,
                 "dram_blocks": self.capacity, "store_blocks": self.blocks, "rows_per_block": self.rows_per_block,
                 "block_bytes": self.block_bytes, "store_files_removed": self.removed_stale}
 
@@ -171,13 +178,13 @@ class FileRows:
 
     def release(self, number: int) -> None:
         """Batch ``number``'s rows have moved: its blocks may be evicted again."""
-        for pages_read, pages_written, job in self._issued.pop(number, []):
+        for pages_read, pages_written in self._issued.pop(number, []):
             self.counts["nvme_pages_read"] += pages_read
             self.counts["nvme_pages_read_ahead"] += pages_read
             self.counts["nvme_pages_written"] += pages_written
-            self.counts["nvme_read_ns"] += job.result()  # (done: its batch was planned)
         slots = self._pinned.pop(number, None)
         if slots is not None:
+            self._wait_for(number)  # (done by now): an unpinned slot must hold what it says
             np.subtract.at(self.pins, slots, 1)
         self._queued = deque((n, b) for n, b in self._queued if n != number)  # never issued: drop it
         self._issue()
@@ -247,11 +254,15 @@ class FileRows:
 
     def counters(self) -> dict[str, int]:
         self._reap()
+        engine = self.engine.stats()  # the time it had a transfer in flight, and its transfers
+        self.counts["nvme_read_ns"] = engine["busy_ns"]
+        self.counts["nvme_engine_ios"] = engine["pages_read"] + engine["pages_written"]
         return dict(self.counts)
 
     def close(self, remove: bool = True) -> None:
-        """Stop the background worker and close (and remove) the file; safe to call twice."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        """Stop the background work and close (and remove) the file; safe to call twice."""
+        self._patcher.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()
         self.file.close()
         if remove:
             self.file.remove()
@@ -262,6 +273,7 @@ class FileRows:
         """Issue queued announcements in order while their pins leave the reserve of host memory
         (the first always goes: the batch planned next must not wait for room)."""
         reserve = self.reserve
+        self._reap()
         while self._queued:
             number, blocks = self._queued[0]
             slots = self.block_slot[blocks]
@@ -286,7 +298,7 @@ class FileRows:
         """``k`` unpinned slots, empty ones first then the least recently used, never one of
         ``keep`` (the slots the caller is about to use); their dirty blocks are written by the
         job that fills them (before it reads)."""
-        free = self.pins == 0
+        free = (self.pins == 0) & (self.ready | (self.slot_block < 0))  # (never a slot being read into)
         if keep is not None:
             free[keep] = False
         if int(free.sum()) < k:
@@ -313,40 +325,68 @@ class FileRows:
 
     def _submit(self, number: int, leaving: tuple[np.ndarray, np.ndarray], blocks: np.ndarray,
                 slots: np.ndarray) -> None:
-        write_blocks, write_slots = leaving
+        """Dirty victims out (from a copy), and ``blocks`` read straight into ``slots``."""
+        pages_written = self._write_back(*leaving)
+        self._wait_for_writes(blocks)
         self.filled_by[slots] = number
-        future = self._worker.submit(self._move_blocks, write_blocks, write_slots, blocks, slots)
-        self._jobs.append(_Job(number, slots, future))
-        self._issued.setdefault(number, []).append(
-            (len(blocks) * self.block_pages, len(write_blocks) * self.block_pages, future))
+        reads = self.file.submit(self.engine, self._pages_of(blocks), self.buffer, self._slot_pages(slots), write=False)
+        self._jobs.append(_Job(number, slots, reads))
+        self._issued.setdefault(number, []).append((len(blocks) * self.block_pages, pages_written))
+
+    def _write_back(self, blocks: np.ndarray, slots: np.ndarray) -> int:
+        """Queue the writes of dirty ``blocks`` leaving ``slots``, from a copy (the slots may be
+        read into at once); returns the pages written."""
+        if not len(blocks):
+            return 0
+        copy = self.buffer[self._slot_pages(slots)]  # (fancy indexing copies, into aligned memory below)
+        staging = aligned_pages(len(copy))
+        staging[:] = copy
+        writes = self.file.submit(self.engine, self._pages_of(blocks), staging, np.arange(len(staging)), write=True)
+        self._track_writes(blocks, writes)
+        return len(blocks) * self.block_pages
+
+    def _track_writes(self, blocks: np.ndarray, writes: Transfer | Future) -> None:
+        self._writes.append((blocks, writes))
+        for block in blocks.tolist():
+            self._writing[block] = writes
+
+    def _wait_for_writes(self, blocks: np.ndarray) -> None:
+        """Before ``blocks`` are read: the writes of them still in flight."""
+        if not self._writing:
+            return
+        for block in np.intersect1d(blocks, np.fromiter(self._writing, np.int64, len(self._writing))).tolist():
+            _finish(self._writing[block])
+        self._reap_writes()
+
+    def _reap_writes(self, everything: bool = False) -> None:
+        while self._writes and (everything or self._writes[0][1].done()):
+            blocks, writes = self._writes.popleft()
+            _finish(writes)  # re-raises its error (a full disk), naming the file
+            for block in blocks.tolist():
+                if self._writing.get(block) is writes:
+                    del self._writing[block]
 
     def _submit_patch(self, rows: np.ndarray, values: Tensor) -> None:
         """A background job writes ``rows`` into their blocks in the file (which host memory
-        does not hold). Later jobs run after it: a block read afterwards has the rows."""
+        does not hold): reads them, after the writes of them in flight, patches and writes them.
+        A later read of those blocks waits for it."""
         blocks, where = np.unique(rows // self.rows_per_block, return_inverse=True)
         pages = len(blocks) * self.block_pages
         self.counts["nvme_pages_read"] += pages
         self.counts["nvme_pages_written"] += pages
-        number = self._jobs[-1].number if self._jobs else -1  # waiting for it waits for no later batch
-        future = self._worker.submit(self._patch, blocks, where, rows % self.rows_per_block, values)
-        self._jobs.append(_Job(number, np.empty(0, np.int64), future))
+        before = [self._writing[b] for b in blocks.tolist() if b in self._writing]
+        patch = self._patcher.submit(self._patch, before, blocks, where, rows % self.rows_per_block, values)
+        self._track_writes(blocks, patch)
 
-    def _patch(self, blocks: np.ndarray, where: np.ndarray, within: np.ndarray, values: Tensor) -> None:
-        """(On the worker.) Read ``blocks``, write the rows into them, write them back."""
+    def _patch(self, before: list, blocks: np.ndarray, where: np.ndarray, within: np.ndarray, values: Tensor) -> None:
+        """(On the patch thread.) Read ``blocks``, write the rows into them, write them back."""
+        for writes in before:
+            _finish(writes)
         staging = aligned_pages(len(blocks) * self.block_pages)
-        self.file.read(self._pages_of(blocks), staging)
+        every = np.arange(len(staging))
+        self.file.submit(self.engine, self._pages_of(blocks), staging, every, write=False).wait()
         self._block_rows(staging)[torch.from_numpy(where), torch.from_numpy(within)] = values
-        self.file.write(self._pages_of(blocks), staging)
-
-    def _move_blocks(self, write_blocks: np.ndarray, write_slots: np.ndarray, read_blocks: np.ndarray,
-                     read_slots: np.ndarray) -> int:
-        """(On the worker.) Dirty victims out, then the new blocks into their slots; returns the
-        nanoseconds the reads took."""
-        if len(write_blocks):
-            self._write(write_blocks, write_slots)
-        started = time.perf_counter_ns()
-        self._read(read_blocks, read_slots)
-        return time.perf_counter_ns() - started
+        self.file.submit(self.engine, self._pages_of(blocks), staging, every, write=True).wait()
 
     def _resident(self, rows: np.ndarray, number: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each row's slot and place in it, once its block is in host memory (waiting for
@@ -368,15 +408,15 @@ class FileRows:
         return slots, rows % self.rows_per_block, missed
 
     def _read_on_demand(self, blocks: np.ndarray, keep: np.ndarray) -> None:
-        """Read ``blocks`` now, into slots other than ``keep`` (those of the caller's other rows)."""
+        """Read ``blocks`` now (ahead of the reads queued), into slots other than ``keep`` (those
+        of the caller's other rows)."""
         started = time.perf_counter_ns()
-        self._drain()  # a block being evicted is written first; and no job fills a slot taken here
+        self._reap()
         victims = self._evict(len(blocks), keep)
-        write_blocks, write_slots = self._attach(blocks, victims)
-        if len(write_blocks):
-            self._write(write_blocks, write_slots)
-            self.counts["nvme_pages_written"] += len(write_blocks) * self.block_pages
-        self._read(blocks, victims)
+        self.counts["nvme_pages_written"] += self._write_back(*self._attach(blocks, victims))
+        self._wait_for_writes(blocks)
+        self.file.submit(self.engine, self._pages_of(blocks), self.buffer, self._slot_pages(victims), write=False,
+                         urgent=True).wait()
         self.ready[victims] = True
         self.read_for[victims] = -1
         self.counts["nvme_pages_read"] += len(blocks) * self.block_pages
@@ -388,22 +428,25 @@ class FileRows:
         started = time.perf_counter_ns()
         waited = False
         while self._jobs and self._jobs[0].number <= number:
-            waited |= not self._jobs[0].future.done()
+            waited |= not self._jobs[0].reads.done()
             self._reap_one()
         self.counts["stall_ns"] += time.perf_counter_ns() - started
         self.counts["prefetch_batches_waited"] += int(waited)
 
     def _drain(self) -> None:
+        """Every transfer in flight: the reads, the write-backs and the patches."""
         if self._jobs:
             self._wait_for(self._jobs[-1].number)
+        self._reap_writes(everything=True)
 
     def _reap(self) -> None:
-        while self._jobs and self._jobs[0].future.done():
+        while self._jobs and self._jobs[0].reads.done():
             self._reap_one()
+        self._reap_writes()
 
     def _reap_one(self) -> None:
         job = self._jobs.popleft()
-        job.future.result()  # re-raises the worker's error (a full disk, an I/O error) here, naming the file
+        job.reads.wait()  # re-raises its error (an I/O error) here, naming the file
         self.ready[job.slots[self.filled_by[job.slots] == job.number]] = True
 
     def _touch(self, slots: np.ndarray) -> None:
@@ -425,11 +468,6 @@ class FileRows:
 
     def _slot_pages(self, slots: np.ndarray) -> np.ndarray:
         return self._pages_of(slots)  # slots are laid out in host memory as blocks are in the file
-
-    def _read(self, blocks: np.ndarray, slots: np.ndarray) -> None:
-        staging = aligned_pages(len(blocks) * self.block_pages)
-        self.file.read(self._pages_of(blocks), staging)
-        self.buffer[self._slot_pages(slots)] = staging
 
     def _write(self, blocks: np.ndarray, slots: np.ndarray) -> None:
         staging = aligned_pages(len(blocks) * self.block_pages)
@@ -463,6 +501,14 @@ def _remove_if_abandoned(path: Path) -> bool:
         os.close(fd)
     path.unlink(missing_ok=True)
     return True
+
+
+def _finish(writes: Transfer | Future) -> None:
+    """Wait for a write-back (a Transfer) or a patch (a Future), re-raising its error."""
+    if isinstance(writes, Transfer):
+        writes.wait()
+    else:
+        writes.result()
 
 
 def _serially(fill: Callable, jobs: list) -> None:
