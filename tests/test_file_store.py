@@ -172,7 +172,7 @@ def test_reads_are_issued_batches_ahead_so_announced_batches_do_not_read_on_dema
     tables = [TableSpec("a", 100000, 8, 2, 1.0)]
     batches = _batches(tables, 12, 32, 3, hot_share=0.0)
     opt = EmbeddingOptimizer(type="sgd", lr=0.1)
-    _, ahead = _pair(tables, batches, opt, tmp_path, dram_ratio=0.5)
+    _, ahead = _pair(tables, batches, opt, tmp_path, dram_ratio=0.5, profile_batches=1)  # the rest are misses
     before = ahead.counters()["nvme_pages_read_on_demand"]  # the preload's
     _train(ahead, batches, prefetch=True, lookahead=3)
     after = ahead.counters()
@@ -364,3 +364,42 @@ def test_a_dirty_block_evicted_and_read_again_at_once_reads_what_was_written(tmp
         assert torch.equal(rows.table(), expected)
     finally:
         rows.close()
+
+
+def _spread_batches(steps, batch, pool, seed, rows=100_000):
+    """Batches of ids among ``pool`` rows, each in its own page (one table of ``rows``)."""
+    g = torch.Generator().manual_seed(seed)
+    return [SparseFeatures(torch.randint(0, pool, (2 * batch,), generator=g) * (rows // pool),
+                           torch.full((batch,), 2), 1) for _ in range(steps)]
+
+
+def test_rows_the_device_holds_are_not_read_from_the_drive(tmp_path):
+    """Issue 50, 12: every batch's rows are in the device cache (the profile preloads them all),
+    and host memory holds fewer of their pages than the device holds rows: the store reads no
+    page for them (it read them again and again, a batch's announcement at a time)."""
+    tables = [TableSpec("a", 100_000, 8, 2, 1.0)]
+    batches = _spread_batches(12, 32, 400, 5)
+    ctx = _context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches)
+    on_file = FreqCache(ctx, FreqCacheParams(cache_ratio=0.01, lookahead=3, belady_steps=0, store="file",
+                                             store_dir=str(tmp_path), dram_ratio=0.25, drive_probe_s=0))
+    before = on_file.counters()
+    _train(on_file, batches, prefetch=True, lookahead=3)
+    after = on_file.counters()
+    assert after["hits"] == after["accesses"] > 0  # a 100 % device hit rate
+    assert after["nvme_pages_read"] == before["nvme_pages_read"]
+
+
+def test_rows_the_device_evicts_after_their_batch_is_announced_are_read_before_its_plan(tmp_path):
+    """A small device cache that churns: rows it held when their batch was announced and has
+    evicted since are announced again before the plan, so that no plan reads on demand."""
+    tables = [TableSpec("a", 100_000, 8, 2, 1.0)]
+    batches = _spread_batches(24, 32, 600, 3)
+    ctx = _context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches)
+    on_file = FreqCache(ctx, FreqCacheParams(cache_ratio=0.001, lookahead=6, belady_steps=0, store="file",
+                                             store_dir=str(tmp_path), dram_ratio=0.45, drive_probe_s=0,
+                                             profile_batches=1))
+    before = on_file.counters()
+    _train(on_file, batches, prefetch=True, lookahead=6)
+    after = on_file.counters()
+    assert after["rows_evicted"] > 0 and after["nvme_pages_read"] > before["nvme_pages_read"]
+    assert after["nvme_pages_read_on_demand"] == before["nvme_pages_read_on_demand"]

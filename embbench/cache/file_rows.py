@@ -172,8 +172,15 @@ class FileRows:
 
     def announce(self, number: int, rows: np.ndarray) -> None:
         """Training batch ``number`` (in window order) will touch ``rows``: read what host memory
-        lacks, in the background, as soon as there is room."""
-        self._queued.append((number, np.unique(np.asarray(rows, dtype=np.int64) // self.rows_per_block)))
+        lacks, in the background, as soon as there is room. A batch may be announced again with
+        more rows (before its rows move): they join it, ahead of the later batches."""
+        blocks = np.unique(np.asarray(rows, dtype=np.int64) // self.rows_per_block)
+        if not len(blocks):
+            return
+        at = len(self._queued)
+        while at and self._queued[at - 1][0] > number:
+            at -= 1
+        self._queued.insert(at, (number, blocks))
         self._issue()
 
     def release(self, number: int) -> None:
@@ -292,7 +299,7 @@ class FileRows:
                 self.read_for[victims] = number
                 self._submit(number, leaving, missing, victims)
                 slots = self.block_slot[blocks]
-            self._pinned[number] = slots
+            self._pinned[number] = slots if number not in self._pinned else np.concatenate([self._pinned[number], slots])
 
     def _evict(self, k: int, keep: np.ndarray | None = None) -> np.ndarray:
         """``k`` unpinned slots, empty ones first then the least recently used, never one of

@@ -225,6 +225,7 @@ class FreqCache(SparseModule):
         self._running: int | None = None  # the plan of the last forwarded batch
         self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
+        self._held_at_entry: dict[int, Tensor] = {}  # store: file: a batch's rows the device held when announced
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
@@ -246,7 +247,28 @@ class FreqCache(SparseModule):
                 self._numbers[id(features.values)] = (features.values, number)
                 self._entering.append(features)
                 if self.file_rows is not None:  # its blocks are read from the drive from now on
-                    self.file_rows.announce(number, self.space.global_rows(features).cpu().numpy())
+                    self._announce(number, self.space.global_rows(features.to(self.device)))
+
+    def _announce(self, number: int, rows: Tensor) -> None:
+        """Announce to the row file the rows of batch ``number`` that the device holds no slot for
+        (the others need no read: issue 50, 12); those it holds are checked again before the
+        batch's plan (:meth:`_announce_evicted`), as the plans between may evict them."""
+        with self._on_side():  # after the plans queued so far
+            held = self.planner.slot_of(rows) != self.planner.sink
+            self._held_at_entry[number] = rows[held]
+            self.file_rows.announce(number, rows[~held].cpu().numpy())
+
+    def _announce_evicted(self, number: int) -> None:
+        """Before batch ``number`` is planned: its rows the device held when it was announced and
+        has evicted since are announced too (read during the step before its plan)."""
+        for old in [n for n in self._held_at_entry if n < number]:
+            del self._held_at_entry[old]  # (batches planned without their number: evaluation's)
+        rows = self._held_at_entry.pop(number, None)
+        if rows is not None and len(rows):
+            with self._on_side():
+                gone = rows[self.planner.slot_of(rows) == self.planner.sink]
+                if len(gone):
+                    self.file_rows.announce(number, gone.cpu().numpy())
 
     def _enter_pending(self) -> None:
         """Queue the device work of the batches that entered the window since the last call."""
@@ -284,6 +306,8 @@ class FreqCache(SparseModule):
             self._window_end = self.planner.counts.clone()
         if running is not None:
             self._late, self._late_batch = plan, number
+        if self.file_rows is not None and number is not None:
+            self._announce_evicted(number + 1)  # after this plan's evictions
         return plan.slots
 
     def _plan_and_move(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
