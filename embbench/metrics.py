@@ -201,7 +201,11 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
                   "pages_read_per_step": per_step(pages_read), "pages_written_per_step": per_step(pages_written),
                   "ios_per_step": per_step(pages_read + pages_written),
                   "pages_read_on_demand_per_step": per_step(c["nvme_pages_read_on_demand"]),
-                  "read_amplification": share(pages_read * page_bytes, misses * row_bytes),
+                  "pages_read_for_writes_per_step": per_step(c.get("nvme_pages_read_for_writes", 0)),
+                  # the pages read for rows the device needed, over those rows' bytes (a patch's
+                  # read, to merge a written row into a page, brings none)
+                  "read_amplification": share((pages_read - c.get("nvme_pages_read_for_writes", 0)) * page_bytes,
+                                              misses * row_bytes),
                   "stall_seconds_per_step": per_step(c["stall_ns"] / 1e9),
                   # pages the reader's engine moved over the time it had one in flight (older
                   # records: the pages read ahead over the reading jobs' time)

@@ -55,15 +55,16 @@ def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
 @settings(max_examples=8, deadline=None)
 @given(opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), dram_ratio=st.sampled_from([0.45, 0.7, 1.0]),
        prefetch_depth=st.integers(0, 3), seed=st.integers(0, 1000), dim=st.sampled_from([4, 8, 40]),
-       precision=st.sampled_from(ROW_PRECISIONS))
+       precision=st.sampled_from(ROW_PRECISIONS), layout=st.sampled_from(["id", "frequency"]))
 def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
-                                                                    precision):
+                                                                    precision, layout):
     per_page = 4096 // row_type(precision).row_bytes(dim, int(opt_type == "rowwise_adagrad"))
     tables = [TableSpec("a", 300 * per_page, dim, 2, 1.0), TableSpec("b", 150 * per_page, dim, 1, 1.0)]
     batches = _batches(tables, 10, 16, seed)
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
-        memory, on_file = _pair(tables, batches, opt, folder, precision, dram_ratio=dram_ratio)
+        memory, on_file = _pair(tables, batches, opt, folder, precision, dram_ratio=dram_ratio, store_layout=layout)
+        assert (on_file.file_rows.order.name, len(on_file.file_rows.order.moved) > 0) == (layout, layout == "frequency")
         expected = _train(memory, batches, prefetch=True, lookahead=prefetch_depth)
         got = _train(on_file, batches, prefetch=True, lookahead=prefetch_depth)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -403,3 +404,42 @@ def test_rows_the_device_evicts_after_their_batch_is_announced_are_read_before_i
     after = on_file.counters()
     assert after["rows_evicted"] > 0 and after["nvme_pages_read"] > before["nvme_pages_read"]
     assert after["nvme_pages_read_on_demand"] == before["nvme_pages_read_on_demand"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 400), seed=st.integers(0, 10_000), batches=st.integers(0, 6))
+def test_the_frequency_order_is_a_permutation_with_the_most_used_rows_first(rows, seed, batches):
+    from embbench.disk.layout import RowOrder
+
+    rng = np.random.default_rng(seed)
+    profiled = [rng.zipf(1.3, 30) % rows for _ in range(batches)]
+    order = RowOrder.by_frequency(rows, profiled)
+    places = order.place(np.arange(rows))
+    assert sorted(places.tolist()) == list(range(rows))
+    assert np.array_equal(order.row_at(places), np.arange(rows))
+    used = np.bincount(np.concatenate([np.unique(b) for b in profiled]).astype(np.int64), minlength=rows) \
+        if batches else np.zeros(rows, np.int64)
+    hot = np.flatnonzero(used >= 2)
+    expected = hot[np.lexsort((hot, -used[hot]))]
+    assert np.array_equal(order.row_at(np.arange(len(hot))), expected)  # most used first, at the first places
+    assert len(order.moved) <= 2 * len(hot)
+
+
+def test_a_file_in_frequency_order_holds_and_returns_every_row_where_the_caller_asks(tmp_path):
+    from embbench.disk.layout import RowOrder
+
+    rng = np.random.default_rng(0)
+    order = RowOrder.by_frequency(20_000, [rng.integers(0, 20_000, 3000) for _ in range(4)])
+    assert len(order.moved) > 1000
+    rows = FileRows(tmp_path / "t.rows", 20_000, 10, torch.float32, dram_ratio=0.5, batch_blocks=40, order=order)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10), chunk_blocks=16)
+        wanted = rng.choice(20_000, 90, replace=False)
+        assert torch.equal(rows.gather(wanted)[:, 0], torch.from_numpy(wanted).float())
+        rows.scatter(wanted[:5], torch.full((5, 10), -1.0))
+        expected = torch.arange(20_000, dtype=torch.float32)[:, None].repeat(1, 10)
+        expected[wanted[:5]] = -1
+        assert torch.equal(rows.table(), expected)
+        assert rows.describe()["store_layout"] == "frequency"
+    finally:
+        rows.close()

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from embbench.disk.layout import PAGE, PageLayout
+from embbench.disk.layout import PAGE, PageLayout, RowOrder
 from embbench.disk.pagefile import PageFile, Transfer, aligned_pages
 from embbench.disk.reader import Engine, get_reader
 
@@ -48,7 +48,7 @@ __all__ = ["FileRows", "STORE_COUNTERS"]
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
                   "nvme_pages_written", "nvme_pages_read_on_demand", "nvme_pages_read_ahead", "nvme_read_ns",
-                  "nvme_engine_ios", "stall_ns", "prefetch_batches_waited")
+                  "nvme_engine_ios", "nvme_pages_read_for_writes", "stall_ns", "prefetch_batches_waited")
 
 
 @dataclass
@@ -71,6 +71,8 @@ class FileRows:
             ``dram_ratio`` is refused, saying which is needed).
         direct: read and write with O_DIRECT (False only where a test must run on tmpfs).
         io_depth: reads the reader keeps in flight.
+        order: where each row sits in the file (:class:`~embbench.disk.layout.RowOrder`; default
+            row r at place r). The callers speak of rows; pages hold places.
     """
 
     @classmethod
@@ -90,8 +92,9 @@ class FileRows:
         return store
 
     def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype, dram_ratio: float, batch_blocks: int,
-                 direct: bool = True, io_depth: int = 32):
+                 direct: bool = True, io_depth: int = 32, order: RowOrder | None = None):
         self.dtype, self.width = dtype, width
+        self.order = order or RowOrder(rows)
         self.row_bytes = width * torch.empty(0, dtype=dtype).element_size()
         self.layout = layout = PageLayout(rows, self.row_bytes)
         self.rows_per_block, self.block_pages = layout.rows_per_page, layout.pages_per_row
@@ -139,7 +142,7 @@ class FileRows:
     @property
     def nbytes(self) -> int:
         """Host memory the store holds: its blocks and its maps."""
-        maps = self.block_slot.nbytes + sum(a.nbytes for a in (self.slot_block, self.ready, self.dirty, self.pins,
+        maps = self.order.nbytes + self.block_slot.nbytes + sum(a.nbytes for a in (self.slot_block, self.ready, self.dirty, self.pins,
                                                                  self.last_use, self.read_for, self.filled_by))
         return self.buffer.nbytes + maps
 
@@ -148,22 +151,42 @@ class FileRows:
                 "store_filesystem": self.file.filesystem, "store_direct": self.file.direct,
                 "store_direct_problem": self.file.direct_problem, "store_reader": self.engine.name,
                 "dram_blocks": self.capacity, "store_blocks": self.blocks, "rows_per_block": self.rows_per_block,
-                "block_bytes": self.block_bytes, "store_files_removed": self.removed_stale}
+                "block_bytes": self.block_bytes, "store_layout": self.order.name,
+                "store_rows_moved": len(self.order.moved), "store_files_removed": self.removed_stale}
 
     def fill(self, make_rows: Callable[[int, int], Tensor], chunk_blocks: int = 4096,
              run: Callable[[Callable, list], None] | None = None) -> None:
         """Write every row once, a chunk of whole blocks at a time: ``make_rows(start, stop)``
         returns rows ``[start, stop)`` packed (``[n, width]`` of ``dtype``). ``run(fill, jobs)``
-        may run the chunks side by side (they write distinct pages)."""
+        may run the chunks side by side (they write distinct pages). With rows moved by the
+        order, their values are made first (a pass over the chunks that hold them)."""
         step = chunk_blocks * self.rows_per_block
         jobs = [(lo, min(self.layout.rows, lo + step)) for lo in range(0, self.layout.rows, step)]
+        moved = self.order.moved
+        moved_values = torch.empty(len(moved), self.row_bytes, dtype=torch.uint8)
+
+        def packed(lo: int, hi: int) -> Tensor:
+            return make_rows(lo, hi).contiguous().view(torch.uint8).reshape(hi - lo, self.row_bytes)
+
+        def collect(job: tuple[int, int]) -> None:
+            a, b = np.searchsorted(moved, job)
+            if a < b:
+                moved_values[a:b] = packed(*job)[torch.from_numpy(moved[a:b] - job[0])]
+
+        if len(moved):
+            (run or _serially)(collect, jobs)
+        row_at_moved = self.order.row_at(moved)  # the row at each moved place (the moved set is also theirs)
 
         def fill(job: tuple[int, int]) -> None:
-            lo, hi = job
+            lo, hi = job  # places
             blocks = math.ceil((hi - lo) / self.rows_per_block)
             staging = aligned_pages(blocks * self.block_pages)
             padded = torch.zeros(blocks * self.rows_per_block, self.row_bytes, dtype=torch.uint8)
-            padded[: hi - lo] = make_rows(lo, hi).contiguous().view(torch.uint8).reshape(hi - lo, self.row_bytes)
+            padded[: hi - lo] = packed(lo, hi)  # the rows that stay at their own place
+            a, b = np.searchsorted(moved, job)  # the places of moved rows here (the moved set is theirs)
+            if a < b:
+                rows_there = row_at_moved[a:b]
+                padded[torch.from_numpy(moved[a:b] - lo)] = moved_values[torch.from_numpy(np.searchsorted(moved, rows_there))]
             self._block_rows(staging).copy_(padded.view(blocks, self.rows_per_block, self.row_bytes))
             first = lo // self.rows_per_block
             self.file.write(self._pages_of(np.arange(first, first + blocks)), staging)
@@ -174,7 +197,7 @@ class FileRows:
         """Training batch ``number`` (in window order) will touch ``rows``: read what host memory
         lacks, in the background, as soon as there is room. A batch may be announced again with
         more rows (before its rows move): they join it, ahead of the later batches."""
-        blocks = np.unique(np.asarray(rows, dtype=np.int64) // self.rows_per_block)
+        blocks = np.unique(self.order.place(rows) // self.rows_per_block)
         if not len(blocks):
             return
         at = len(self._queued)
@@ -200,7 +223,7 @@ class FileRows:
         """Rows ``rows`` (distinct), packed: ``[len(rows), width]`` of ``dtype``. ``number``:
         the batch whose plan loads them (counts a row its announcement read as a miss of
         host memory)."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = self.order.place(rows)  # (from here on, rows are places)
         out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
         for part in self._parts(rows):  # more blocks than host memory has room for: a part at a time
             slots, within, missed = self._resident(rows[part], number)
@@ -224,7 +247,7 @@ class FileRows:
         """Write packed rows (distinct). Rows whose block host memory holds are written there
         (the file gets them when the block is evicted); the others are patched into the file by
         a background job (read, patch, write): a write-back never waits for a read."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = self.order.place(rows)  # (from here on, rows are places)
         values = values.contiguous().view(torch.uint8).reshape(len(rows), self.row_bytes)
         held = self.block_slot[rows // self.rows_per_block] >= 0
         self.counts["dram_write_backs"] += len(rows)
@@ -248,7 +271,8 @@ class FileRows:
             view = self._block_rows(staging)
             lo = first * self.rows_per_block
             hi = min(self.layout.rows, lo + len(blocks) * self.rows_per_block)
-            out[lo:hi] = view.reshape(-1, self.row_bytes)[: hi - lo].view(self.dtype)
+            rows = torch.from_numpy(self.order.row_at(np.arange(lo, hi)))
+            out[rows] = view.reshape(-1, self.row_bytes)[: hi - lo].view(self.dtype)
         return out
 
     def write_dirty(self) -> None:
@@ -380,6 +404,7 @@ class FileRows:
         blocks, where = np.unique(rows // self.rows_per_block, return_inverse=True)
         pages = len(blocks) * self.block_pages
         self.counts["nvme_pages_read"] += pages
+        self.counts["nvme_pages_read_for_writes"] += pages
         self.counts["nvme_pages_written"] += pages
         before = [self._writing[b] for b in blocks.tolist() if b in self._writing]
         patch = self._patcher.submit(self._patch, before, blocks, where, rows % self.rows_per_block, values)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
@@ -43,7 +44,7 @@ from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan,
                                              auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
 from embbench.data.weights import fill_in_parallel
-from embbench.disk.layout import PageLayout
+from embbench.disk.layout import PageLayout, RowOrder
 from embbench.disk.probe import measure_drive
 from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
@@ -80,11 +81,15 @@ class FreqCacheParams(StrategyParams):
     io_depth: int = Field(32, ge=1, le=1024, description="store: file: reads the reader keeps in flight")
     drive_probe_s: float = Field(1.0, ge=0, le=60, description="store: file: seconds of random reads at io_depth that "
                                                                "measure the drive at build, for the record (0: off)")
+    store_layout: Literal["id", "frequency"] = Field(
+        "frequency", description="store: file: rows in pages in id order, or the profile's rows used in more than one "
+                                 "batch first, most used first (hot rows share pages: fewer pages read)")
 
     @model_validator(mode="after")
     def _file_store_only(self):
         if self.store == "memory":
-            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth", "drive_probe_s") if k in self.model_fields_set)
+            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth", "drive_probe_s", "store_layout")
+                           if k in self.model_fields_set)
             if given:
                 raise ValueError(f"{', '.join(given)}: only for store: file (store is memory)")
         return self
@@ -455,9 +460,13 @@ class FreqCache(SparseModule):
         if folder is None:
             raise Unsupported("store: file needs store_dir (this harness gives the cell no folder of its own)")
         per_block = PageLayout(self.num_rows, self.row_bytes).rows_per_page
-        touched = max((len(torch.unique(rows // per_block)) for rows in profiled), default=1)
+        on_host = [rows.cpu().numpy() for rows in profiled]
+        order = RowOrder.by_frequency(self.num_rows, on_host) if params.store_layout == "frequency" else None
+        place = order.place if order is not None else (lambda rows: rows)
+        touched = max((len(np.unique(place(rows) // per_block)) for rows in on_host), default=1)
         rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,
-                               params.dram_ratio, batch_blocks=math.ceil(1.25 * touched), io_depth=params.io_depth)
+                               params.dram_ratio, batch_blocks=math.ceil(1.25 * touched), io_depth=params.io_depth,
+                               order=order)
         rounded = None if kind.exact else kind
 
         def make_rows(start: int, stop: int) -> Tensor:
@@ -698,8 +707,13 @@ class FreqCacheStrategy(Strategy):
         if self.params.store == "file":  # host memory holds dram_ratio of the file's pages, and a map of them
             layout = PageLayout(n, row_bytes)
             blocks = math.ceil(layout.pages / layout.pages_per_row)
+            # the frequency layout's map: 8 bytes a row it moves (the rows used twice or more in the
+            # profile, and as many rows they displace: at most one per profiled id)
+            moved = 0 if self.params.store_layout == "id" or local_batch_size is None else \
+                min(n, self.params.profile_batches * local_batch_size * sum(t.bag_size for t in tables))
             return MemoryFootprint(device_bytes=device, host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes)
-                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir)
+                                   + blocks * 8 + moved * 8, disk_bytes=layout.file_bytes,
+                                   disk_dir=self.params.store_dir)
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 
     def build(self, ctx: BuildContext) -> SparseModule:
