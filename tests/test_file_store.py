@@ -101,6 +101,16 @@ def test_in_the_runner_a_file_store_trains_device_s_weights_in_every_row_precisi
     assert tiers["nvme"]["pages_read_per_step"] == pytest.approx(total["nvme_pages_read"] / steps)
     # the shares over all accesses add up: each distinct row of a batch is found in one tier
     assert sum(t["hit_rate"] for t in tiers.values()) == pytest.approx(1.0)
+    # per table too (issue 48, item 5): the tables' counts add up to the whole
+    by_table = metrics["tiers_by_table"]
+    assert len(by_table) > 1
+    for field in ("unique_accesses", "rows_loaded", "rows_written_back", "dram_loads", "dram_load_misses",
+                  "dram_write_backs"):
+        assert sum(v for k, v in total.items() if k.startswith("table.") and k.endswith("." + field)) == \
+            total[{"rows_loaded": "bytes_h2d"}.get(field, field)] // (metrics["row_bytes"] if field == "rows_loaded" else 1)
+    for name, table_tiers in by_table.items():
+        assert [t["tier"] for t in table_tiers] == ["hbm", "dram", "nvme"]
+        assert sum(t["hit_rate"] or 0 for t in table_tiers) == pytest.approx(1.0), name
 
 
 def test_host_memory_smaller_than_two_batches_is_refused_naming_the_ratio_needed(tmp_path):
@@ -443,3 +453,27 @@ def test_a_file_in_frequency_order_holds_and_returns_every_row_where_the_caller_
         assert rows.describe()["store_layout"] == "frequency"
     finally:
         rows.close()
+
+
+def test_each_table_s_counts_add_up_to_the_whole_in_both_stores(tmp_path):
+    from embbench.metrics import memory_tiers, tiers_by_table
+
+    tables = [TableSpec("a", 30_000, 8, 2, 1.0), TableSpec("b", 9000, 8, 1, 1.0), TableSpec("c", 40, 8, 1, 1.0)]
+    batches = _batches(tables, 8, 32, 2)
+    memory, on_file = _pair(tables, batches, EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path, dram_ratio=0.6)
+    for cache in (memory, on_file):
+        before = cache.counters()
+        _train(cache, batches, prefetch=True, lookahead=2)
+        c = {k: v - before.get(k, 0) for k, v in cache.counters().items()}
+        per = {name: {k.rsplit(".", 1)[1]: v for k, v in c.items() if k.startswith(f"table.{name}.")} for name in "abc"}
+        assert sum(p["unique_accesses"] for p in per.values()) == c["unique_accesses"] > 0
+        assert sum(p["rows_loaded"] for p in per.values()) * cache.row_bytes == c["bytes_h2d"] > 0
+        assert sum(p["rows_written_back"] for p in per.values()) == c["rows_written_back"]
+        if cache is on_file:
+            assert sum(p["dram_loads"] for p in per.values()) == c["dram_loads"]
+            assert sum(p["dram_load_misses"] for p in per.values()) == c["dram_load_misses"]
+        by_table = tiers_by_table(c, 8, cache.row_bytes)
+        whole = memory_tiers(c, 8, cache.row_bytes)
+        assert [t["tier"] for t in by_table["a"]] == [t["tier"] for t in whole]
+        for tier in range(len(whole)):  # the tables' rows a step add up to the whole's
+            assert sum(by_table[n][tier]["reaching_per_step"] for n in "abc") == pytest.approx(whole[tier]["reaching_per_step"])

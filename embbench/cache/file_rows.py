@@ -73,6 +73,7 @@ class FileRows:
         io_depth: reads the reader keeps in flight.
         order: where each row sits in the file (:class:`~embbench.disk.layout.RowOrder`; default
             row r at place r). The callers speak of rows; pages hold places.
+        table_starts: each table's first row: the loads and write-backs are counted per table too.
     """
 
     @classmethod
@@ -92,8 +93,12 @@ class FileRows:
         return store
 
     def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype, dram_ratio: float, batch_blocks: int,
-                 direct: bool = True, io_depth: int = 32, order: RowOrder | None = None):
+                 direct: bool = True, io_depth: int = 32, order: RowOrder | None = None,
+                 table_starts: np.ndarray | None = None):
         self.dtype, self.width = dtype, width
+        self.table_starts = np.zeros(1, np.int64) if table_starts is None else np.asarray(table_starts, np.int64)
+        # per table: dram_loads, dram_load_misses, dram_write_backs, dram_write_misses
+        self.table_counts = np.zeros((len(self.table_starts), 4), np.int64)
         self.order = order or RowOrder(rows)
         self.row_bytes = width * torch.empty(0, dtype=dtype).element_size()
         self.layout = layout = PageLayout(rows, self.row_bytes)
@@ -223,12 +228,14 @@ class FileRows:
         """Rows ``rows`` (distinct), packed: ``[len(rows), width]`` of ``dtype``. ``number``:
         the batch whose plan loads them (counts a row its announcement read as a miss of
         host memory)."""
+        tables = self._tables_of(rows)
         rows = self.order.place(rows)  # (from here on, rows are places)
         out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
         for part in self._parts(rows):  # more blocks than host memory has room for: a part at a time
             slots, within, missed = self._resident(rows[part], number)
             self.counts["dram_loads"] += len(part)
             self.counts["dram_load_misses"] += int(missed.sum())
+            self._count_tables(tables[part], 0, missed)
             out[torch.from_numpy(part)] = self._rows[torch.from_numpy(slots), torch.from_numpy(within)]
         return out.view(self.dtype)
 
@@ -247,11 +254,13 @@ class FileRows:
         """Write packed rows (distinct). Rows whose block host memory holds are written there
         (the file gets them when the block is evicted); the others are patched into the file by
         a background job (read, patch, write): a write-back never waits for a read."""
+        tables = self._tables_of(rows)
         rows = self.order.place(rows)  # (from here on, rows are places)
         values = values.contiguous().view(torch.uint8).reshape(len(rows), self.row_bytes)
         held = self.block_slot[rows // self.rows_per_block] >= 0
         self.counts["dram_write_backs"] += len(rows)
         self.counts["dram_write_misses"] += int((~held).sum())
+        self._count_tables(tables, 2, ~held)
         if not held.all():
             self._submit_patch(rows[~held], values[torch.from_numpy(~held)].clone())
         slots, within, _ = self._resident(rows[held], None)
@@ -282,6 +291,23 @@ class FileRows:
         if len(slots):
             self._write(self.slot_block[slots], slots)
             self.dirty[slots] = False
+
+    def _tables_of(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.table_starts, np.asarray(rows, dtype=np.int64), side="right") - 1
+
+    def _count_tables(self, tables: np.ndarray, column: int, missed: np.ndarray) -> None:
+        """Per table: rows (column) and those host memory lacked (column + 1)."""
+        n = len(self.table_starts)
+        self.table_counts[:, column] += np.bincount(tables, minlength=n)
+        self.table_counts[:, column + 1] += np.bincount(tables[missed], minlength=n)
+
+    def table_counters(self, names: list[str]) -> dict[str, int]:
+        """``table.<name>.<counter>``: the host tier's counters of each table."""
+        out = {}
+        for name, counts in zip(names, self.table_counts.tolist()):
+            for key, value in zip(("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses"), counts):
+                out[f"table.{name}.{key}"] = value
+        return out
 
     def counters(self) -> dict[str, int]:
         self._reap()

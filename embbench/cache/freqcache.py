@@ -231,6 +231,11 @@ class FreqCache(SparseModule):
         self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
         self._held_at_entry: dict[int, Tensor] = {}  # store: file: a batch's rows the device held when announced
+        # per table, on the device (no host read a step): distinct rows of training batches, rows
+        # loaded into slots, rows written back (metrics.tiers_by_table)
+        self._table_names = [t.name for t in ctx.tables]
+        self._table_starts = self.space.starts.to(self.device)
+        self._table_counts = torch.zeros(len(ctx.tables), 3, dtype=torch.int64, device=self.device)
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
@@ -307,6 +312,8 @@ class FreqCache(SparseModule):
             out = tuple(t.clone() for t in out)
             self._check_first_replay(out[0], rows)
         plan = DevicePlan(pid, *out, sink=self.planner.sink, pad_row=self.planner.pad_row)
+        if train:
+            self._count_tables(rows, plan)
         if closes:
             self._window_end = self.planner.counts.clone()
         if running is not None:
@@ -314,6 +321,34 @@ class FreqCache(SparseModule):
         if self.file_rows is not None and number is not None:
             self._announce_evicted(number + 1)  # after this plan's evictions
         return plan.slots
+
+    def _count_tables(self, rows: Tensor, plan: DevicePlan) -> None:
+        """Per table: the batch's distinct rows, the rows its plan loads and writes back (tensor
+        operations of fixed shapes: nothing is read on the host)."""
+        ordered = rows.sort().values
+        first = torch.ones_like(ordered, dtype=torch.int64)
+        first[1:] = ordered[1:] != ordered[:-1]
+        pad = self.planner.pad_row
+
+        def add(column: int, of: Tensor, weight: Tensor) -> None:
+            at = (torch.searchsorted(self._table_starts, of.clamp(max=self.num_rows - 1), right=True) - 1) * 3 + column
+            self._table_counts.view(-1).index_add_(0, at, weight)
+
+        add(0, ordered, first)
+        add(1, plan.load_rows, (plan.load_rows < pad).long())
+        add(2, plan.write_back_rows, (plan.write_back_rows < pad).long())
+
+    def table_counters(self) -> dict[str, int]:
+        """``table.<name>.<counter>`` for each table: its share of the tier counters."""
+        self._join_side()
+        counts = self._table_counts.tolist()
+        out = {}
+        for name, (distinct, loaded, written) in zip(self._table_names, counts):
+            out.update({f"table.{name}.unique_accesses": distinct, f"table.{name}.rows_loaded": loaded,
+                        f"table.{name}.rows_written_back": written})
+        if self.file_rows is not None:
+            out.update(self.file_rows.table_counters(self._table_names))
+        return out
 
     def _plan_and_move(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
         """A plan's device work and its early moves; returns the plan's tensors."""
@@ -466,7 +501,7 @@ class FreqCache(SparseModule):
         touched = max((len(np.unique(place(rows) // per_block)) for rows in on_host), default=1)
         rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,
                                params.dram_ratio, batch_blocks=math.ceil(1.25 * touched), io_depth=params.io_depth,
-                               order=order)
+                               order=order, table_starts=self.space.starts.numpy())
         rounded = None if kind.exact else kind
 
         def make_rows(start: int, stop: int) -> Tensor:
@@ -571,7 +606,8 @@ class FreqCache(SparseModule):
         # No host planning and no own host syncs to count (the step's syncs are counted by the
         # runner's operator counter, on CUDA).
         return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
-                **self.store.work_counters(), **(self.file_rows.counters() if self.file_rows else {})}
+                **self.store.work_counters(), **(self.file_rows.counters() if self.file_rows else {}),
+                **self.table_counters()}
 
     def memory(self) -> MemoryFootprint:
         device = self.store.nbytes + self.planner.nbytes
