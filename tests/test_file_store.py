@@ -340,6 +340,7 @@ def test_announced_batches_are_in_flight_together_and_read_straight_into_their_s
         batches = [np.arange(k * 5000, k * 5000 + 600, 7) for k in range(3)]
         for number, batch in enumerate(batches):
             rows.announce(number, batch)
+        rows.counters()  # (waits for the announcements' bookkeeping, not for their reads)
         # three batches' reads queued at once, none waited for: the engine keeps them in flight together
         assert [(n, write, urgent) for n, write, urgent, _ in rows.engine.held] == \
             [(len(np.unique(b // rows.rows_per_block)), False, False) for b in batches]
@@ -477,3 +478,30 @@ def test_each_table_s_counts_add_up_to_the_whole_in_both_stores(tmp_path):
         assert [t["tier"] for t in by_table["a"]] == [t["tier"] for t in whole]
         for tier in range(len(whole)):  # the tables' rows a step add up to the whole's
             assert sum(by_table[n][tier]["reaching_per_step"] for n in "abc") == pytest.approx(whole[tier]["reaching_per_step"])
+
+
+def test_an_announcement_s_bookkeeping_runs_off_the_caller_s_thread(tmp_path, monkeypatch):
+    """Issue 48, item 4 (the part built): np.unique over an announced batch, and the eviction's
+    argpartition, run on the store's bookkeeping thread; the caller only hands the rows over."""
+    import threading
+
+    rows = FileRows(tmp_path / "t.rows", 50_000, 10, torch.float32, dram_ratio=0.3, batch_blocks=60)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10))
+        callers = []
+        for name in ("unique", "argpartition"):
+            real = getattr(np, name)
+            monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **kw:
+                                callers.append((_name, threading.current_thread().name)) or _real(*a, **kw))
+        me = threading.current_thread().name
+        batches = [np.random.default_rng(k).choice(50_000, 40, replace=False) for k in range(12)]
+        for number, batch in enumerate(batches):
+            rows.announce(number, batch)
+            assert [c for c in callers if c[1] == me] == []
+        monkeypatch.undo()
+        assert {name for name, _ in callers} == {"unique", "argpartition"}  # (done, on the other thread)
+        for number, batch in enumerate(batches):
+            assert torch.equal(rows.gather(batch, number)[:, 0], torch.from_numpy(batch).float())
+            rows.release(number)
+    finally:
+        rows.close()

@@ -18,16 +18,21 @@ stall. An evicted dirty block is copied out of its slot and written from that co
 into the slot need not wait; a read of a block whose write (or patch) is still in flight waits
 for it.
 
-Every bookkeeping array is the calling thread's: the engine only moves bytes between the file
-and slots that no one else touches until their transfer is reaped.
+The bookkeeping arrays are guarded by one lock: an announcement's own work (its blocks, found
+with ``np.unique``; pins, evictions, reads queued) runs on a bookkeeping thread, off the caller's
+thread, and a call that depends on an announcement waits for it first (the batch's gather and
+release). The engine only moves bytes between the file and slots that no one else touches until
+their transfer is reaped.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import math
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +63,23 @@ class _Job:
     number: int
     slots: np.ndarray  # the slots it fills (their ready flag is set when it is reaped)
     reads: Transfer
+
+
+def _locked(settle_all: bool):
+    """The method runs under the store's lock, after every announcement (``settle_all``) or
+    none (a write-back needs none: a block an announcement reads later waits for its writes)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kw):
+            if settle_all:
+                self._settle(None)
+            with self._lock:
+                return method(self, *args, **kw)
+
+        return run
+
+    return wrap
 
 
 class FileRows:
@@ -131,6 +153,9 @@ class FileRows:
         self.filled_by = np.full(capacity, -1, np.int64)  # the job that fills the slot
         self._clock = 0
         self._patcher = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-patch")  # read, patch, write
+        self._lock = threading.RLock()  # the bookkeeping's: the caller's thread and the announcements'
+        self._books = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-books")  # announcements, in order
+        self._announcing: deque[tuple[int, Future]] = deque()  # (number, its work), not waited for yet
         self._jobs: deque[_Job] = deque()  # submitted, not reaped, in order
         # blocks with a write (a write-back or a patch) in flight: a read of one waits for it
         self._writing: dict[int, Transfer | Future] = {}
@@ -201,10 +226,32 @@ class FileRows:
     def announce(self, number: int, rows: np.ndarray) -> None:
         """Training batch ``number`` (in window order) will touch ``rows``: read what host memory
         lacks, in the background, as soon as there is room. A batch may be announced again with
-        more rows (before its rows move): they join it, ahead of the later batches."""
+        more rows (before its rows move): they join it, ahead of the later batches. Returns at
+        once: the bookkeeping thread does the work."""
+        rows = np.array(rows, dtype=np.int64)  # (a copy: the caller may reuse its array)
+        self._announcing.append((number, self._books.submit(self._announced, number, rows)))
+
+    def _settle(self, upto: int | None) -> None:
+        """(On the caller's thread.) Wait for the announcements of batches up to ``upto`` (all:
+        None), re-raising their errors."""
+        later: deque[tuple[int, Future]] = deque()
+        while self._announcing:
+            number, work = self._announcing.popleft()
+            if upto is None or number <= upto:
+                work.result()
+            else:
+                later.append((number, work))
+        self._announcing = later
+
+    def _announced(self, number: int, rows: np.ndarray) -> None:
+        """(On the bookkeeping thread.) The batch's blocks, then, under the lock, its reads."""
         blocks = np.unique(self.order.place(rows) // self.rows_per_block)
         if not len(blocks):
             return
+        with self._lock:
+            self._queue(number, blocks)
+
+    def _queue(self, number: int, blocks: np.ndarray) -> None:
         at = len(self._queued)
         while at and self._queued[at - 1][0] > number:
             at -= 1
@@ -212,7 +259,13 @@ class FileRows:
         self._issue()
 
     def release(self, number: int) -> None:
-        """Batch ``number``'s rows have moved: its blocks may be evicted again."""
+        """Batch ``number``'s rows have moved: its blocks may be evicted again (after its
+        announcements, and those of the batches before it)."""
+        self._settle(number)
+        with self._lock:
+            self._release(number)
+
+    def _release(self, number: int) -> None:
         for pages_read, pages_written in self._issued.pop(number, []):
             self.counts["nvme_pages_read"] += pages_read
             self.counts["nvme_pages_read_ahead"] += pages_read
@@ -227,7 +280,13 @@ class FileRows:
     def gather(self, rows: np.ndarray, number: int | None = None) -> Tensor:
         """Rows ``rows`` (distinct), packed: ``[len(rows), width]`` of ``dtype``. ``number``:
         the batch whose plan loads them (counts a row its announcement read as a miss of
-        host memory)."""
+        host memory; its announcements, and those before it, are done first)."""
+        if number is not None:
+            self._settle(number)
+        with self._lock:
+            return self._gather(rows, number)
+
+    def _gather(self, rows: np.ndarray, number: int | None) -> Tensor:
         tables = self._tables_of(rows)
         rows = self.order.place(rows)  # (from here on, rows are places)
         out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
@@ -250,6 +309,7 @@ class FileRows:
         part_of = np.searchsorted(distinct, blocks[order]) // max(1, self.reserve)
         return np.split(order, np.flatnonzero(np.diff(part_of)) + 1)
 
+    @_locked(False)
     def scatter(self, rows: np.ndarray, values: Tensor) -> None:
         """Write packed rows (distinct). Rows whose block host memory holds are written there
         (the file gets them when the block is evicted); the others are patched into the file by
@@ -267,6 +327,7 @@ class FileRows:
         self._rows[torch.from_numpy(slots), torch.from_numpy(within)] = values[torch.from_numpy(held)]
         self.dirty[slots] = True
 
+    @_locked(True)
     def table(self) -> Tensor:
         """Every row (``[rows, width]``), read back from the file after writing every dirty
         block: what :meth:`flush` of the cache returns. Holds the whole table: for tests."""
@@ -284,6 +345,7 @@ class FileRows:
             out[rows] = view.reshape(-1, self.row_bytes)[: hi - lo].view(self.dtype)
         return out
 
+    @_locked(True)
     def write_dirty(self) -> None:
         """Every dirty block to the file (waits for the background jobs first)."""
         self._drain()
@@ -301,6 +363,7 @@ class FileRows:
         self.table_counts[:, column] += np.bincount(tables, minlength=n)
         self.table_counts[:, column + 1] += np.bincount(tables[missed], minlength=n)
 
+    @_locked(True)
     def table_counters(self, names: list[str]) -> dict[str, int]:
         """``table.<name>.<counter>``: the host tier's counters of each table."""
         out = {}
@@ -309,6 +372,7 @@ class FileRows:
                 out[f"table.{name}.{key}"] = value
         return out
 
+    @_locked(True)
     def counters(self) -> dict[str, int]:
         self._reap()
         engine = self.engine.stats()  # the time it had a transfer in flight, and its transfers
@@ -318,6 +382,8 @@ class FileRows:
 
     def close(self, remove: bool = True) -> None:
         """Stop the background work and close (and remove) the file; safe to call twice."""
+        self._books.shutdown(wait=True, cancel_futures=True)
+        self._announcing.clear()
         self._patcher.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
         self.file.close()
