@@ -55,7 +55,7 @@ def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
 @settings(max_examples=8, deadline=None)
 @given(opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), dram_ratio=st.sampled_from([0.45, 0.7, 1.0]),
        prefetch_depth=st.integers(0, 3), seed=st.integers(0, 1000), dim=st.sampled_from([4, 8, 40]),
-       precision=st.sampled_from(ROW_PRECISIONS), layout=st.sampled_from(["id", "frequency"]))
+       precision=st.sampled_from(ROW_PRECISIONS), layout=st.sampled_from(["id", "frequency", "table_frequency"]))
 def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
                                                                     precision, layout):
     per_page = 4096 // row_type(precision).row_bytes(dim, int(opt_type == "rowwise_adagrad"))
@@ -64,7 +64,7 @@ def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, d
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
         memory, on_file = _pair(tables, batches, opt, folder, precision, dram_ratio=dram_ratio, store_layout=layout)
-        assert (on_file.file_rows.order.name, len(on_file.file_rows.order.moved) > 0) == (layout, layout == "frequency")
+        assert (on_file.file_rows.order.name, len(on_file.file_rows.order.moved) > 0) == (layout, layout != "id")
         expected = _train(memory, batches, prefetch=True, lookahead=prefetch_depth)
         got = _train(on_file, batches, prefetch=True, lookahead=prefetch_depth)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -434,6 +434,14 @@ def test_the_frequency_order_is_a_permutation_with_the_most_used_rows_first(rows
     expected = hot[np.lexsort((hot, -used[hot]))]
     assert np.array_equal(order.row_at(np.arange(len(hot))), expected)  # most used first, at the first places
     assert len(order.moved) <= 2 * len(hot)
+    starts = sorted({0, *rng.integers(1, rows, 2).tolist()}) if rows > 1 else [0]
+    by_table = RowOrder.by_table_frequency(rows, profiled, starts)
+    places = by_table.place(np.arange(rows))
+    assert sorted(places.tolist()) == list(range(rows))
+    for lo, hi in zip(starts, [*starts[1:], rows]):  # each table's rows stay in its range, the seen ones first
+        assert ((places[lo:hi] >= lo) & (places[lo:hi] < hi)).all()
+        seen = np.flatnonzero(used[lo:hi] >= 1) + lo
+        assert set(by_table.row_at(np.arange(lo, lo + len(seen))).tolist()) == set(seen.tolist())
 
 
 def test_a_file_in_frequency_order_holds_and_returns_every_row_where_the_caller_asks(tmp_path):

@@ -208,7 +208,7 @@ def test_overall_rates_are_the_hbm_miss_share_times_the_conditional_ones():
     steps = [np.minimum(rng.zipf(1.3, 300) - 1, 2999) for _ in range(24)]
     section = _section(steps, 3000, TierSizes(0.25, 0.05), 8, _freqcache(steps, 3000, 4, 4), iops=1000.0, step_ms=2.0,
                        profile=4)
-    assert len(section["entries"]) == 16  # 4 device policies, 2 host policies, 2 layouts
+    assert len(section["entries"]) == 24  # 4 device policies, 2 host policies, 3 layouts
     for e in section["entries"]:
         hbm, dram, nvme = e["hbm"], e["dram"], e["nvme"]
         assert dram["hit_rate"] == pytest.approx((1 - hbm["hit_rate"]) * dram["conditional_hit_rate"])
@@ -291,7 +291,8 @@ def test_curve_tiers_prints_the_table_and_writes_the_section(capsys, tmp_path, m
     section = read_tiers(out)
     assert section["format"] == "embbench-tiers-1" and section["iops"] == 37000 and section["step_ms"] == 3
     assert [(e["hbm_policy"], e["layout"], e["dram_policy"]) for e in section["entries"]] == [
-        (p, f, d) for p in ("lru", "lfu", "freqcache", "min") for f in ("id", "frequency") for d in ("lru", "min")]
+        (p, f, d) for p in ("lru", "lfu", "freqcache", "min") for f in ("id", "frequency", "table_frequency")
+        for d in ("lru", "min")]
     assert section["row_bytes"] == 68 and section["rows_per_page"] == 60 and section["counted_steps"] == 4
     damaged = json.loads(out.read_text())
     damaged["tiers"]["entries"][0]["dram"]["hit_rate"] = 1.5

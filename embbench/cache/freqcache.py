@@ -81,9 +81,10 @@ class FreqCacheParams(StrategyParams):
     io_depth: int = Field(32, ge=1, le=1024, description="store: file: reads the reader keeps in flight")
     drive_probe_s: float = Field(1.0, ge=0, le=60, description="store: file: seconds of random reads at io_depth that "
                                                                "measure the drive at build, for the record (0: off)")
-    store_layout: Literal["id", "frequency"] = Field(
-        "frequency", description="store: file: rows in pages in id order, or the profile's rows used in more than one "
-                                 "batch first, most used first (hot rows share pages: fewer pages read)")
+    store_layout: Literal["id", "frequency", "table_frequency"] = Field(
+        "frequency", description="store: file: rows in pages in id order; frequency: the profile's rows used in more "
+                                 "than one batch first, most used first; table_frequency: in each table, the rows the "
+                                 "profile saw first (docs/nvme.md: which reads less where)")
 
     @model_validator(mode="after")
     def _file_store_only(self):
@@ -496,7 +497,9 @@ class FreqCache(SparseModule):
             raise Unsupported("store: file needs store_dir (this harness gives the cell no folder of its own)")
         per_block = PageLayout(self.num_rows, self.row_bytes).rows_per_page
         on_host = [rows.cpu().numpy() for rows in profiled]
-        order = RowOrder.by_frequency(self.num_rows, on_host) if params.store_layout == "frequency" else None
+        order = {"id": lambda: None, "frequency": lambda: RowOrder.by_frequency(self.num_rows, on_host),
+                 "table_frequency": lambda: RowOrder.by_table_frequency(self.num_rows, on_host,
+                                                                         self.space.starts.tolist())}[params.store_layout]()
         place = order.place if order is not None else (lambda rows: rows)
         touched = max((len(np.unique(place(rows) // per_block)) for rows in on_host), default=1)
         rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,

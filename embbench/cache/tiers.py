@@ -273,7 +273,7 @@ def _entry(c: _Totals, steps: int, row_bytes: int, iops: float | None, step_ms: 
 
 def tier_model(steps: list[np.ndarray], num_rows: int, row_bytes: int, sizes: TierSizes, policies, skip: int = 0,
                seed: int = 0, freqcache=None, iops: float | None = None, step_ms: float | None = None,
-               profile: int = 0, layouts=ROW_ORDERS) -> dict:
+               profile: int = 0, layouts=ROW_ORDERS, table_starts=(0,)) -> dict:
     """The ``tiers`` section of a curve file: every device policy of ``policies`` with every
     host policy of :data:`DRAM_POLICIES` and every file layout of ``layouts`` (``frequency``:
     ordered by the first ``profile`` batches, as freqcache's store orders its file), on
@@ -287,7 +287,9 @@ def tier_model(steps: list[np.ndarray], num_rows: int, row_bytes: int, sizes: Ti
     layout = PageLayout(num_rows, row_bytes)
     hbm_rows, dram_pages = capacity_of(sizes.hbm, num_rows), capacity_of(sizes.dram, layout.pages)
     s = step_rows(steps)
-    orders = {name: RowOrder.by_frequency(num_rows, steps[:profile]) if name == "frequency" else None for name in layouts}
+    orders = {"id": None, "frequency": RowOrder.by_frequency(num_rows, steps[:profile]),
+              "table_frequency": RowOrder.by_table_frequency(num_rows, steps[:profile], table_starts)}
+    orders = {name: orders[name] for name in layouts}
     staging = DevicePlanner.slots_for(num_rows, 0, max(map(len, steps)))
     freqcache_rows = hbm_rows - staging  # its cache, within the hbm share with its staging slots
     entries = []
@@ -325,8 +327,9 @@ def scenario_tiers(scenario, sizes: TierSizes, policies, warmup: int = 48, steps
     row_bytes = row_type(precision).row_bytes(scenario.data.embedding_dim, scenario.optimizer.embedding.state_width)
     from embbench.cache.curve_scenario import FREQCACHE_PROFILE
 
+    starts = np.concatenate([[0], np.cumsum(list(table_rows.values()))[:-1]]).astype(np.int64)
     section = tier_model(stream, sum(table_rows.values()), row_bytes, sizes, policies, warmup, scenario.run.seed,
-                         freqcache, iops, step_ms, profile=min(FREQCACHE_PROFILE, warmup))
+                         freqcache, iops, step_ms, profile=min(FREQCACHE_PROFILE, warmup), table_starts=starts)
     section["row_precision"] = precision
     return section
 
@@ -369,7 +372,7 @@ class _Nvme(TypedDict):
 class _Entry(TypedDict):
     hbm_policy: Literal["lru", "lfu", "freqcache", "min"]
     dram_policy: Literal["lru", "min"]
-    layout: NotRequired[Literal["id", "frequency"]]  # (files before issue 48: id)
+    layout: NotRequired[Literal["id", "frequency", "table_frequency"]]  # (files before issue 48: id)
     hbm: _Hbm
     dram: _Dram
     nvme: _Nvme

@@ -66,9 +66,11 @@ class PageLayout:
         return min(1.0, self.rows_per_page * self.row_bytes / (self.pages_per_row * PAGE))
 
 
-#: How rows are placed in the file: ``id`` (row r at place r) or ``frequency`` (the profile's
-#: rows used in more than one batch first, most used first: hot rows share pages).
-ROW_ORDERS = ("id", "frequency")
+#: How rows are placed in the file: ``id`` (row r at place r), ``frequency`` (the profile's
+#: rows used in more than one batch at the file's first places, most used first: hot rows share
+#: pages) or ``table_frequency`` (in each table's own range, every row the profile saw first,
+#: most used first: the rows of a table that were seen share pages, away from its unseen ones).
+ROW_ORDERS = ("id", "frequency", "table_frequency")
 
 
 class RowOrder:
@@ -86,24 +88,38 @@ class RowOrder:
 
     @classmethod
     def by_frequency(cls, rows: int, profiled: list[np.ndarray], min_batches: int = 2) -> "RowOrder":
-        """Rows used by at least ``min_batches`` of the ``profiled`` batches (global rows) at the
-        file's first places, most used first (ties by id); the rows they displace take the
-        places they left. Rows used once tell nothing of their next use: they stay put."""
+        """``frequency``: rows used by at least ``min_batches`` of the ``profiled`` batches
+        (global rows) at the file's first places, most used first (ties by id); the rows they
+        displace take the places they left."""
+        return cls._ordered(rows, profiled, [0], min_batches, "frequency")
+
+    @classmethod
+    def by_table_frequency(cls, rows: int, profiled: list[np.ndarray], table_starts) -> "RowOrder":
+        """``table_frequency``: in each table's range (tables start at ``table_starts``), every
+        row the profile used at the range's first places, most used first."""
+        return cls._ordered(rows, profiled, list(table_starts), 1, "table_frequency")
+
+    @classmethod
+    def _ordered(cls, rows: int, profiled: list[np.ndarray], starts: list[int], min_batches: int, name: str):
         if not profiled:
-            return cls(rows, "frequency")
+            return cls(rows, name)
         seen, counts = np.unique(np.concatenate([np.unique(np.asarray(b, np.int64)) for b in profiled]),
                                  return_counts=True)
         keep = counts >= min_batches
         seen, counts = seen[keep], counts[keep]
-        hot = seen[np.lexsort((seen, -counts))]  # most used first, ties by id
-        k = len(hot)
-        displaced = np.setdiff1d(np.arange(k, dtype=np.int64), hot, assume_unique=True)  # rows in the hot places
-        vacated = np.sort(hot[hot >= k])  # the places the hot rows leave
-        rows_moved = np.concatenate([hot, displaced])
-        places = np.concatenate([np.arange(k, dtype=np.int64), vacated])
-        stays = rows_moved == places
-        order = np.argsort(rows_moved[~stays], kind="stable")
-        return cls(rows, "frequency", rows_moved[~stays][order], places[~stays][order])
+        moved, places = [], []
+        for lo, hi in zip(starts, [*starts[1:], rows]):
+            a, b = np.searchsorted(seen, [lo, hi])
+            hot = seen[a:b][np.lexsort((seen[a:b], -counts[a:b]))]  # most used first, ties by id
+            k = len(hot)
+            displaced = np.setdiff1d(np.arange(lo, lo + k, dtype=np.int64), hot, assume_unique=True)  # in the hot places
+            vacated = np.sort(hot[hot >= lo + k])  # the places the hot rows leave
+            moved += [hot, displaced]
+            places += [np.arange(lo, lo + k, dtype=np.int64), vacated]
+        moved, places = np.concatenate(moved), np.concatenate(places)
+        stays = moved == places
+        order = np.argsort(moved[~stays], kind="stable")
+        return cls(rows, name, moved[~stays][order], places[~stays][order])
 
     def place(self, rows: np.ndarray) -> np.ndarray:
         """Each row's place in the file."""
