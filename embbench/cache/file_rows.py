@@ -23,6 +23,10 @@ with ``np.unique``; pins, evictions, reads queued) runs on a bookkeeping thread,
 thread, and a call that depends on an announcement waits for it first (the batch's gather and
 release). The engine only moves bytes between the file and slots that no one else touches until
 their transfer is reaped.
+
+Longer than 600 lines because: host memory's slots, their pins, the reads ahead, the write-backs
+and the patches are one set of maps under one lock; split across modules, each part would reach
+into the others' arrays.
 """
 
 from __future__ import annotations
