@@ -506,6 +506,7 @@ def test_an_announcement_s_bookkeeping_runs_off_the_caller_s_thread(tmp_path, mo
         for number, batch in enumerate(batches):
             rows.announce(number, batch)
             assert [c for c in callers if c[1] == me] == []
+        rows.counters()  # (waits for the announcements' bookkeeping)
         monkeypatch.undo()
         assert {name for name, _ in callers} == {"unique", "argpartition"}  # (done, on the other thread)
         for number, batch in enumerate(batches):
