@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     store = store_reads(args.path, file_bytes, args.depth, args.batches, args.batch_blocks, args.ahead)
     probe = measure_drive(args.path, args.probe_seconds, (args.depth,), file_bytes).as_dict()
     drive = probe["drive"][0]["reads_per_s"] if probe["drive"] else None
-    result = {"store": store, "probe": probe, "drive_reads_per_s": drive,
+    result = {"format": "embbench-reader-benchmark-1", "store": store, "probe": probe, "drive_reads_per_s": drive,
               "achieved_share_of_drive": store["reads_per_s_while_reading"] / drive if drive else None,
               "uptime": os.popen("uptime").read().strip(), "cpus": os.cpu_count()}
     print(f"store reader ({store['reader']}): {store['reads_per_s_while_reading']:,.0f} reads/s while reading, "
