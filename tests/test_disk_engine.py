@@ -171,3 +171,22 @@ def test_a_closed_engine_refuses_work_and_its_tickets_stay_readable(drive_dir):
         if engine.name.startswith("native"):
             with pytest.raises(ValueError, match="closed"):
                 engine.submit(file.fileno(), np.arange(1), aligned_pages(1), np.arange(1), write=False)
+
+
+def test_threads_waiting_for_the_same_submission_at_once_all_return(drive_dir, engine):
+    """The store's write-backs are waited for by the thread that reads their blocks again and
+    by the patch thread: the first waiter must not free what the second waits on (a run hung
+    so, every thread asleep)."""
+    with _numbered_file(drive_dir, 64) as file:
+        for _ in range(30):
+            buf = aligned_pages(64)
+            transfer = file.submit(engine, np.arange(64), buf, np.arange(64), write=False)
+            waiters = [threading.Thread(target=transfer.wait, daemon=True) for _ in range(4)]
+            for w in waiters:
+                w.start()
+            while not transfer.done():
+                pass
+            for w in waiters:
+                w.join(timeout=10)
+            assert not any(w.is_alive() for w in waiters)
+            np.testing.assert_array_equal(_numbers(buf), np.arange(64))

@@ -196,16 +196,25 @@ class Ticket:
     def __init__(self, engine: "Engine", handle, keep=None):
         self._engine, self._handle, self._keep = engine, handle, keep  # keep: buffers alive until done
         self._outcome: tuple[int, int, int] | None = None
+        # One thread at a time asks the engine (the first to wait frees the native ticket: a
+        # second waiting on it at once would wait on freed memory, for ever).
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         if self._outcome is not None:
             return True
-        return self._engine._poll(self._handle)
+        if not self._lock.acquire(blocking=False):  # another thread is waiting for it: not known done
+            return False
+        try:
+            return self._outcome is not None or self._engine._poll(self._handle)
+        finally:
+            self._lock.release()
 
     def wait(self) -> None:
-        if self._outcome is None:
-            self._outcome = self._engine._wait(self._handle)
-            self._keep = None
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._engine._wait(self._handle)
+                self._keep = None
         code, index, done = self._outcome
         if code != 0:
             raise TransferError(max(code, 0), index, done)
