@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["memory_tiers", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
+__all__ = ["memory_tiers", "tiers_by_table", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
            "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training",
            "accuracy_warnings"]
 
@@ -163,8 +163,8 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
     second falls as the tier above grows); its traffic a step with the tier below it (rows
     read into it, written out of it: the device's with host memory, host memory's with the
     drive; the drive, last, its own reads and writes); on the drive its I/Os (4 KiB pages), read amplification
-    (bytes read over the useful rows' bytes), what the step waited for it (stall) and the reads a
-    second it achieved while reading ahead (pages over the background reader's busy time).
+    (bytes read over the useful rows' bytes), what the step waited for it (stall) and the I/Os a
+    second it achieved while reading (pages moved over the time the reader had one in flight).
     """
     reached = c.get("unique_accesses")
     if not reached or "unique_misses" not in c:
@@ -188,15 +188,14 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
                       reached - hbm_hits else None, "reaching_per_step": per_step(reached - hbm_hits)})
         return tiers
     loads, misses = loaded, c["dram_load_misses"]
+    if "nvme_pages_read" not in c:  # a table's share (tiers_by_table): pages hold rows of several tables
+        tiers.append(_dram_tier(c, reached, loads, misses, per_step, share, row_bytes))
+        tiers.append({"tier": "nvme", "hit_rate": share(misses, reached), "hit_rate_of_reaching": 1.0 if misses else None,
+                      "reaching_per_step": per_step(misses), "rows_read_per_step": per_step(misses)})
+        return tiers
     pages_read, pages_written = c["nvme_pages_read"], c["nvme_pages_written"]
     reads_s = c["nvme_read_ns"] / 1e9
-    # host memory's traffic with the drive below it: the rows it lacked, in the pages read for
-    # them, and the pages written out (the device's traffic with host memory is the hbm row's)
-    tiers.append({"tier": "dram", "hit_rate": share(loads - misses, reached), "hit_rate_of_reaching": share(loads - misses, loads),
-                  "reaching_per_step": per_step(loads),
-                  "rows_read_per_step": per_step(misses), "bytes_read_per_step": per_step(pages_read * page_bytes),
-                  "bytes_written_per_step": per_step(pages_written * page_bytes),
-                  "write_misses_per_step": per_step(c["dram_write_misses"])})
+    tiers.append(_dram_tier(c, reached, loads, misses, per_step, share, row_bytes, pages=(pages_read, pages_written, page_bytes)))
     tiers.append({"tier": "nvme", "hit_rate": share(misses, reached), "hit_rate_of_reaching": 1.0 if misses else None,
                   "reaching_per_step": per_step(misses),
                   "rows_read_per_step": per_step(misses), "bytes_read_per_step": per_step(pages_read * page_bytes),
@@ -204,10 +203,53 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
                   "pages_read_per_step": per_step(pages_read), "pages_written_per_step": per_step(pages_written),
                   "ios_per_step": per_step(pages_read + pages_written),
                   "pages_read_on_demand_per_step": per_step(c["nvme_pages_read_on_demand"]),
-                  "read_amplification": share(pages_read * page_bytes, misses * row_bytes),
+                  "pages_read_for_writes_per_step": per_step(c.get("nvme_pages_read_for_writes", 0)),
+                  # the pages read for rows the device needed, over those rows' bytes (a patch's
+                  # read, to merge a written row into a page, brings none)
+                  "read_amplification": share((pages_read - c.get("nvme_pages_read_for_writes", 0)) * page_bytes,
+                                              misses * row_bytes),
                   "stall_seconds_per_step": per_step(c["stall_ns"] / 1e9),
-                  "reads_per_second": share(c.get("nvme_pages_read_ahead", 0), reads_s) if reads_s else None})
+                  # pages the reader's engine moved over the time it had one in flight (older
+                  # records: the pages read ahead over the reading jobs' time)
+                  "reads_per_second": share(c.get("nvme_engine_ios", c.get("nvme_pages_read_ahead", 0)), reads_s)
+                  if reads_s else None})
     return tiers
+
+
+def _dram_tier(c: dict[str, int], reached: int, loads: int, misses: int, per_step, share, row_bytes: int,
+               pages: tuple[int, int, int] | None = None) -> dict:
+    """Host memory's tier: its traffic with the drive below it (the device's with host memory is
+    the hbm row's): the rows it lacked, in the pages read for them and the pages written out;
+    a table's share (``pages`` None: a page holds rows of several tables) in its rows' bytes."""
+    tier = {"tier": "dram", "hit_rate": share(loads - misses, reached), "hit_rate_of_reaching": share(loads - misses, loads),
+            "reaching_per_step": per_step(loads), "rows_read_per_step": per_step(misses),
+            "write_misses_per_step": per_step(c["dram_write_misses"])}
+    if pages is None:
+        return {**tier, "bytes_read_per_step": per_step(misses * row_bytes)}
+    pages_read, pages_written, page_bytes = pages
+    return {**tier, "bytes_read_per_step": per_step(pages_read * page_bytes),
+            "bytes_written_per_step": per_step(pages_written * page_bytes)}
+
+
+def tiers_by_table(c: dict[str, int], steps: int, row_bytes: int) -> dict[str, list[dict[str, Any]]] | None:
+    """``metrics.tiers_by_table``: :func:`memory_tiers` of each table, from its ``table.<name>.*``
+    counters (freqcache's): the same tiers and rates; the drive's rows, not its pages (a page may
+    hold rows of several tables). None where no table is counted."""
+    tables: dict[str, dict[str, int]] = {}
+    for key, value in c.items():
+        if key.startswith("table."):
+            name, counter = key[len("table."):].rsplit(".", 1)
+            tables.setdefault(name, {})[counter] = value
+    if not tables:
+        return None
+    out = {}
+    for name, t in tables.items():
+        counts = {"unique_accesses": t.get("unique_accesses", 0), "unique_misses": 0,
+                  "bytes_h2d": t.get("rows_loaded", 0) * row_bytes, "rows_written_back": t.get("rows_written_back", 0),
+                  "bytes_d2h": t.get("rows_written_back", 0) * row_bytes,
+                  **{k: v for k, v in t.items() if k.startswith("dram_")}}
+        out[name] = memory_tiers(counts, steps, row_bytes)
+    return out
 
 
 def summarize(samples: list[float]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from embbench.data.sources import eval_batches
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
 from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, memory_tiers, miss_rate, peak_rss_bytes,
+                              tiers_by_table,
                               speed_figures, warmed_up)
 from embbench.model import build_model
 from embbench.outputs import atomic_write
@@ -568,6 +569,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         },
         "extra": _combine_extra([r["extra"] for r in ranks]),
         **({"tiers": tiers} if (tiers := memory_tiers(total, measured_steps, training.row_bytes)) else {}),
+        **({"tiers_by_table": by_table} if (by_table := tiers_by_table(total, measured_steps, training.row_bytes)) else {}),
         "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
         **weights,
     }

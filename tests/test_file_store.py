@@ -57,16 +57,17 @@ def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
 @settings(max_examples=8, deadline=None)
 @given(opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), dram_ratio=st.sampled_from([0.45, 0.7, 1.0]),
        prefetch_depth=st.integers(0, 3), seed=st.integers(0, 1000), dim=st.sampled_from([4, 8, 40]),
-       precision=st.sampled_from(ROW_PRECISIONS))
+       precision=st.sampled_from(ROW_PRECISIONS), layout=st.sampled_from(["id", "frequency", "table_frequency"]))
 @pytest.mark.slow
 def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
-                                                                    precision):
+                                                                    precision, layout):
     per_page = 4096 // row_type(precision).row_bytes(dim, int(opt_type == "rowwise_adagrad"))
     tables = [TableSpec("a", 300 * per_page, dim, 2, 1.0), TableSpec("b", 150 * per_page, dim, 1, 1.0)]
     batches = _batches(tables, 10, 16, seed)
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
-        memory, on_file = _pair(tables, batches, opt, folder, precision, dram_ratio=dram_ratio)
+        memory, on_file = _pair(tables, batches, opt, folder, precision, dram_ratio=dram_ratio, store_layout=layout)
+        assert (on_file.file_rows.order.name, len(on_file.file_rows.order.moved) > 0) == (layout, layout != "id")
         expected = _train(memory, batches, prefetch=True, lookahead=prefetch_depth)
         got = _train(on_file, batches, prefetch=True, lookahead=prefetch_depth)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -103,6 +104,16 @@ def test_in_the_runner_a_file_store_trains_device_s_weights_in_every_row_precisi
     assert tiers["nvme"]["pages_read_per_step"] == pytest.approx(total["nvme_pages_read"] / steps)
     # the shares over all accesses add up: each distinct row of a batch is found in one tier
     assert sum(t["hit_rate"] for t in tiers.values()) == pytest.approx(1.0)
+    # per table too (issue 48, item 5): the tables' counts add up to the whole
+    by_table = metrics["tiers_by_table"]
+    assert len(by_table) > 1
+    for field in ("unique_accesses", "rows_loaded", "rows_written_back", "dram_loads", "dram_load_misses",
+                  "dram_write_backs"):
+        assert sum(v for k, v in total.items() if k.startswith("table.") and k.endswith("." + field)) == \
+            total[{"rows_loaded": "bytes_h2d"}.get(field, field)] // (metrics["row_bytes"] if field == "rows_loaded" else 1)
+    for name, table_tiers in by_table.items():
+        assert [t["tier"] for t in table_tiers] == ["hbm", "dram", "nvme"]
+        assert sum(t["hit_rate"] or 0 for t in table_tiers) == pytest.approx(1.0), name
 
 
 def test_host_memory_smaller_than_two_batches_is_refused_naming_the_ratio_needed(tmp_path):
@@ -217,7 +228,7 @@ def test_reads_are_issued_batches_ahead_so_announced_batches_do_not_read_on_dema
     tables = [TableSpec("a", 100000, 8, 2, 1.0)]
     batches = _batches(tables, 12, 32, 3, hot_share=0.0)
     opt = EmbeddingOptimizer(type="sgd", lr=0.1)
-    _, ahead = _pair(tables, batches, opt, tmp_path, dram_ratio=0.5)
+    _, ahead = _pair(tables, batches, opt, tmp_path, dram_ratio=0.5, profile_batches=1)  # the rest are misses
     before = ahead.counters()["nvme_pages_read_on_demand"]  # the preload's
     _train(ahead, batches, prefetch=True, lookahead=3)
     after = ahead.counters()
@@ -401,3 +412,224 @@ def test_the_preflight_refuses_from_the_profile_what_the_build_would_and_says_it
     needed = float(reason.rsplit("dram_ratio >= ", 1)[1].split()[0])
     enough = Cell("freqcache", {**cell.params, "dram_ratio": needed}, 1)
     assert preflight(scenario, enough, torch.device("cpu"))[1] is None
+
+
+class _HeldEngine:
+    """An engine whose submissions wait until the test lets them run (through a real engine):
+    shows what the store keeps in flight at once."""
+
+    def __init__(self, real):
+        self.real, self.held, self.name = real, [], "held"
+
+    def submit(self, fd, pages, buf, buf_pages, write, urgent=False):
+        engine = self
+
+        class Held:
+            ticket = None
+
+            def done(self):
+                return self.ticket is not None and self.ticket.done()
+
+            def wait(self):
+                if self.ticket is None:
+                    self.ticket = engine.real.submit(fd, pages, buf, buf_pages, write, urgent)
+                self.ticket.wait()
+
+        held = Held()
+        self.held.append((len(pages), write, urgent, held))
+        return held
+
+    def stats(self):
+        return self.real.stats()
+
+    def close(self):
+        self.real.close()
+
+
+def test_announced_batches_are_in_flight_together_and_read_straight_into_their_slots(tmp_path, monkeypatch):
+    import embbench.cache.file_rows as file_rows_module
+
+    rows = FileRows(tmp_path / "t.rows", 50_000, 10, torch.float32, dram_ratio=1.0, batch_blocks=100)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10))
+        rows.engine = _HeldEngine(rows.engine)
+        staged = []
+        real_aligned = file_rows_module.aligned_pages
+        monkeypatch.setattr(file_rows_module, "aligned_pages", lambda n: staged.append(n) or real_aligned(n))
+        batches = [np.arange(k * 5000, k * 5000 + 600, 7) for k in range(3)]
+        for number, batch in enumerate(batches):
+            rows.announce(number, batch)
+        rows.counters()  # (waits for the announcements' bookkeeping, not for their reads)
+        # three batches' reads queued at once, none waited for: the engine keeps them in flight together
+        assert [(n, write, urgent) for n, write, urgent, _ in rows.engine.held] == \
+            [(len(np.unique(b // rows.rows_per_block)), False, False) for b in batches]
+        for number, batch in enumerate(batches):
+            assert torch.equal(rows.gather(batch, number)[:, 0], torch.from_numpy(batch).float())
+            rows.release(number)
+        assert staged == []  # no staging buffer: the pages landed in their slots
+        assert rows.counters()["nvme_pages_read_on_demand"] == 0
+    finally:
+        rows.close()
+
+
+def test_a_dirty_block_evicted_and_read_again_at_once_reads_what_was_written(tmp_path):
+    """The write-back goes from a copy while the slot is read into; a read of the same block
+    later must wait for that write (else it reads the old bytes). Transfers run only when
+    waited for here, so a read that does not wait for its block's write reads old bytes."""
+    rows = FileRows(tmp_path / "t.rows", 30_000, 10, torch.float32, dram_ratio=0.1, batch_blocks=12)
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 10))
+        rows.engine = _HeldEngine(rows.engine)
+        rng = np.random.default_rng(0)
+        expected = torch.zeros(30_000, 10)
+        for step in range(60):  # 10 rows of the first 40 blocks a step, in host memory of 30
+            batch = np.unique(rng.integers(0, 40 * rows.rows_per_block, 10))
+            rows.announce(step, batch)
+            got = rows.gather(batch, step)
+            assert torch.equal(got, expected[batch])
+            new = got + 1
+            rows.scatter(batch, new)
+            expected[batch] = new
+            rows.release(step)
+        assert rows.counters()["nvme_pages_written"] > 0
+        assert torch.equal(rows.table(), expected)
+    finally:
+        rows.close()
+
+
+def _spread_batches(steps, batch, pool, seed, rows=100_000):
+    """Batches of ids among ``pool`` rows, each in its own page (one table of ``rows``)."""
+    g = torch.Generator().manual_seed(seed)
+    return [SparseFeatures(torch.randint(0, pool, (2 * batch,), generator=g) * (rows // pool),
+                           torch.full((batch,), 2), 1) for _ in range(steps)]
+
+
+def test_rows_the_device_holds_are_not_read_from_the_drive(tmp_path):
+    """Issue 50, 12: every batch's rows are in the device cache (the profile preloads them all),
+    and host memory holds fewer of their pages than the device holds rows: the store reads no
+    page for them (it read them again and again, a batch's announcement at a time)."""
+    tables = [TableSpec("a", 100_000, 8, 2, 1.0)]
+    batches = _spread_batches(12, 32, 400, 5)
+    ctx = _context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches)
+    on_file = FreqCache(ctx, FreqCacheParams(cache_ratio=0.01, lookahead=3, belady_steps=0, store="file",
+                                             store_dir=str(tmp_path), dram_ratio=0.25, drive_probe_s=0))
+    before = on_file.counters()
+    _train(on_file, batches, prefetch=True, lookahead=3)
+    after = on_file.counters()
+    assert after["hits"] == after["accesses"] > 0  # a 100 % device hit rate
+    assert after["nvme_pages_read"] == before["nvme_pages_read"]
+
+
+def test_rows_the_device_evicts_after_their_batch_is_announced_are_read_before_its_plan(tmp_path):
+    """A small device cache that churns: rows it held when their batch was announced and has
+    evicted since are announced again before the plan, so that no plan reads on demand."""
+    tables = [TableSpec("a", 100_000, 8, 2, 1.0)]
+    batches = _spread_batches(24, 32, 600, 3)
+    ctx = _context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches)
+    on_file = FreqCache(ctx, FreqCacheParams(cache_ratio=0.001, lookahead=6, belady_steps=0, store="file",
+                                             store_dir=str(tmp_path), dram_ratio=0.45, drive_probe_s=0,
+                                             profile_batches=1))
+    before = on_file.counters()
+    _train(on_file, batches, prefetch=True, lookahead=6)
+    after = on_file.counters()
+    assert after["rows_evicted"] > 0 and after["nvme_pages_read"] > before["nvme_pages_read"]
+    assert after["nvme_pages_read_on_demand"] == before["nvme_pages_read_on_demand"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 400), seed=st.integers(0, 10_000), batches=st.integers(0, 6))
+def test_the_frequency_order_is_a_permutation_with_the_most_used_rows_first(rows, seed, batches):
+    from embbench.disk.layout import RowOrder
+
+    rng = np.random.default_rng(seed)
+    profiled = [rng.zipf(1.3, 30) % rows for _ in range(batches)]
+    order = RowOrder.by_frequency(rows, profiled)
+    places = order.place(np.arange(rows))
+    assert sorted(places.tolist()) == list(range(rows))
+    assert np.array_equal(order.row_at(places), np.arange(rows))
+    used = np.bincount(np.concatenate([np.unique(b) for b in profiled]).astype(np.int64), minlength=rows) \
+        if batches else np.zeros(rows, np.int64)
+    hot = np.flatnonzero(used >= 2)
+    expected = hot[np.lexsort((hot, -used[hot]))]
+    assert np.array_equal(order.row_at(np.arange(len(hot))), expected)  # most used first, at the first places
+    assert len(order.moved) <= 2 * len(hot)
+    starts = sorted({0, *rng.integers(1, rows, 2).tolist()}) if rows > 1 else [0]
+    by_table = RowOrder.by_table_frequency(rows, profiled, starts)
+    places = by_table.place(np.arange(rows))
+    assert sorted(places.tolist()) == list(range(rows))
+    for lo, hi in zip(starts, [*starts[1:], rows]):  # each table's rows stay in its range, the seen ones first
+        assert ((places[lo:hi] >= lo) & (places[lo:hi] < hi)).all()
+        seen = np.flatnonzero(used[lo:hi] >= 1) + lo
+        assert set(by_table.row_at(np.arange(lo, lo + len(seen))).tolist()) == set(seen.tolist())
+
+
+def test_a_file_in_frequency_order_holds_and_returns_every_row_where_the_caller_asks(tmp_path):
+    from embbench.disk.layout import RowOrder
+
+    rng = np.random.default_rng(0)
+    order = RowOrder.by_frequency(20_000, [rng.integers(0, 20_000, 3000) for _ in range(4)])
+    assert len(order.moved) > 1000
+    rows = FileRows(tmp_path / "t.rows", 20_000, 10, torch.float32, dram_ratio=0.5, batch_blocks=40, order=order)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10), chunk_blocks=16)
+        wanted = rng.choice(20_000, 90, replace=False)
+        assert torch.equal(rows.gather(wanted)[:, 0], torch.from_numpy(wanted).float())
+        rows.scatter(wanted[:5], torch.full((5, 10), -1.0))
+        expected = torch.arange(20_000, dtype=torch.float32)[:, None].repeat(1, 10)
+        expected[wanted[:5]] = -1
+        assert torch.equal(rows.table(), expected)
+        assert rows.describe()["store_layout"] == "frequency"
+    finally:
+        rows.close()
+
+
+def test_each_table_s_counts_add_up_to_the_whole_in_both_stores(tmp_path):
+    from embbench.metrics import memory_tiers, tiers_by_table
+
+    tables = [TableSpec("a", 30_000, 8, 2, 1.0), TableSpec("b", 9000, 8, 1, 1.0), TableSpec("c", 40, 8, 1, 1.0)]
+    batches = _batches(tables, 8, 32, 2)
+    memory, on_file = _pair(tables, batches, EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path, dram_ratio=0.6)
+    for cache in (memory, on_file):
+        before = cache.counters()
+        _train(cache, batches, prefetch=True, lookahead=2)
+        c = {k: v - before.get(k, 0) for k, v in cache.counters().items()}
+        per = {name: {k.rsplit(".", 1)[1]: v for k, v in c.items() if k.startswith(f"table.{name}.")} for name in "abc"}
+        assert sum(p["unique_accesses"] for p in per.values()) == c["unique_accesses"] > 0
+        assert sum(p["rows_loaded"] for p in per.values()) * cache.row_bytes == c["bytes_h2d"] > 0
+        assert sum(p["rows_written_back"] for p in per.values()) == c["rows_written_back"]
+        if cache is on_file:
+            assert sum(p["dram_loads"] for p in per.values()) == c["dram_loads"]
+            assert sum(p["dram_load_misses"] for p in per.values()) == c["dram_load_misses"]
+        by_table = tiers_by_table(c, 8, cache.row_bytes)
+        whole = memory_tiers(c, 8, cache.row_bytes)
+        assert [t["tier"] for t in by_table["a"]] == [t["tier"] for t in whole]
+        for tier in range(len(whole)):  # the tables' rows a step add up to the whole's
+            assert sum(by_table[n][tier]["reaching_per_step"] for n in "abc") == pytest.approx(whole[tier]["reaching_per_step"])
+
+
+def test_an_announcement_s_bookkeeping_runs_off_the_caller_s_thread(tmp_path, monkeypatch):
+    """Issue 48, item 4 (the part built): np.unique over an announced batch, and the eviction's
+    argpartition, run on the store's bookkeeping thread; the caller only hands the rows over."""
+    import threading
+
+    rows = FileRows(tmp_path / "t.rows", 50_000, 10, torch.float32, dram_ratio=0.3, batch_blocks=60)
+    try:
+        rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10))
+        callers = []
+        for name in ("unique", "argpartition"):
+            real = getattr(np, name)
+            monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **kw:
+                                callers.append((_name, threading.current_thread().name)) or _real(*a, **kw))
+        me = threading.current_thread().name
+        batches = [np.random.default_rng(k).choice(50_000, 40, replace=False) for k in range(12)]
+        for number, batch in enumerate(batches):
+            rows.announce(number, batch)
+            assert [c for c in callers if c[1] == me] == []
+        rows.counters()  # (waits for the announcements' bookkeeping)
+        monkeypatch.undo()
+        assert {name for name, _ in callers} == {"unique", "argpartition"}  # (done, on the other thread)
+        for number, batch in enumerate(batches):
+            assert torch.equal(rows.gather(batch, number)[:, 0], torch.from_numpy(batch).float())
+            rows.release(number)
+    finally:
+        rows.close()

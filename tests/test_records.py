@@ -60,6 +60,8 @@ def test_every_committed_record_validates():
     for f in files:
         if json.loads(f.read_text()).get("format") == CURVE_FORMAT:
             read_tiers(f) if "tiers" in json.loads(f.read_text()) else read_curve(f)
+        elif json.loads(f.read_text()).get("format") == "embbench-reader-benchmark-1":  # benchmarks/file_store_reads.py
+            assert {"store", "probe", "drive_reads_per_s", "uptime"} <= json.loads(f.read_text()).keys(), f
         else:
             read_record(f)  # raises, naming the file and key, if one does not
 

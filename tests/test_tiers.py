@@ -206,8 +206,9 @@ def _section(steps, num_rows, sizes, skip, freqcache=None, **kw) -> dict:
 def test_overall_rates_are_the_hbm_miss_share_times_the_conditional_ones():
     rng = np.random.default_rng(0)
     steps = [np.minimum(rng.zipf(1.3, 300) - 1, 2999) for _ in range(24)]
-    section = _section(steps, 3000, TierSizes(0.02, 0.05), 8, _freqcache(steps, 3000, 4, 4), iops=1000.0, step_ms=2.0)
-    assert len(section["entries"]) == 8
+    section = _section(steps, 3000, TierSizes(0.25, 0.05), 8, _freqcache(steps, 3000, 4, 4), iops=1000.0, step_ms=2.0,
+                       profile=4)
+    assert len(section["entries"]) == 24  # 4 device policies, 2 host policies, 3 layouts
     for e in section["entries"]:
         hbm, dram, nvme = e["hbm"], e["dram"], e["nvme"]
         assert dram["hit_rate"] == pytest.approx((1 - hbm["hit_rate"]) * dram["conditional_hit_rate"])
@@ -215,14 +216,15 @@ def test_overall_rates_are_the_hbm_miss_share_times_the_conditional_ones():
         assert nvme["bytes_read_per_step"] == 4096 * nvme["pages_read_per_step"]
         assert nvme["read_ms_per_step"] == pytest.approx(nvme["pages_read_per_step"] / 1000 * 1000)
         assert nvme["step_ratio"] == pytest.approx(nvme["read_ms_per_step"] / 2.0)
-    by = {(e["hbm_policy"], e["dram_policy"]): e for e in section["entries"]}
+    by = {(e["hbm_policy"], e["dram_policy"]): e for e in section["entries"] if e["layout"] == "id"}
     assert by[("min", "min")]["hbm"]["unique_hit_rate"] >= by[("lru", "min")]["hbm"]["unique_hit_rate"]
 
 
 def test_a_stream_that_fits_the_device_cache_reads_nothing_from_the_drive():
     rng = np.random.default_rng(1)
     steps = [rng.integers(0, 50, 80) for _ in range(12)]  # 50 rows, all used in every step
-    section = _section(steps, 100, TierSizes(0.6, 0.1), 4, _freqcache(steps, 100, 2, 2), iops=5000.0)
+    section = _section(steps, 1000, TierSizes(0.3, 0.1), 4, _freqcache(steps, 1000, 2, 2), iops=5000.0)
+    assert {e["hbm_policy"] for e in section["entries"]} == {"lru", "lfu", "min", "freqcache"}
     for e in section["entries"]:
         assert e["hbm"]["hit_rate"] == 1 and e["nvme"]["pages_read_per_step"] == 0, e["hbm_policy"]
         assert e["nvme"]["pages_written_per_step"] == 0 and e["nvme"]["read_ms_per_step"] == 0
@@ -286,13 +288,14 @@ def test_curve_tiers_prints_the_table_and_writes_the_section(capsys, tmp_path, m
     monkeypatch.setenv("COLUMNS", "250")
     out = tmp_path / "curve.json"
     code, stdout, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--warmup", "6", "--steps", "4", "--sizes", "0.05",
-                                "--tiers", "hbm=5%,dram=10%", "--iops", "37000", "--step-ms", "3", "--out", str(out))
+                                "--tiers", "hbm=60%,dram=10%", "--iops", "37000", "--step-ms", "3", "--out", str(out))
     assert code == 0, stderr
-    assert "smoke: tiers, HBM 5% of rows" in stdout and ("keeps up" in stdout or "too slow" in stdout)
+    assert "smoke: tiers, HBM 60% of rows" in stdout and ("keeps up" in stdout or "too slow" in stdout)
     section = read_tiers(out)
     assert section["format"] == "embbench-tiers-1" and section["iops"] == 37000 and section["step_ms"] == 3
-    assert [(e["hbm_policy"], e["dram_policy"]) for e in section["entries"]] == [
-        (p, d) for p in ("lru", "lfu", "freqcache", "min") for d in ("lru", "min")]
+    assert [(e["hbm_policy"], e["layout"], e["dram_policy"]) for e in section["entries"]] == [
+        (p, f, d) for p in ("lru", "lfu", "freqcache", "min") for f in ("id", "frequency", "table_frequency")
+        for d in ("lru", "min")]
     assert section["row_bytes"] == 68 and section["rows_per_page"] == 60 and section["counted_steps"] == 4
     damaged = json.loads(out.read_text())
     damaged["tiers"]["entries"][0]["dram"]["hit_rate"] = 1.5
@@ -370,3 +373,41 @@ def test_sigterm_while_iops_are_measured_leaves_no_scratch_file(tmp_path):
         command.kill()
     assert command.returncode == 130
     assert not list(folder.glob(".embbench-disk-probe-*"))
+
+
+def test_freqcache_gets_the_hbm_share_less_its_staging_slots_and_none_where_they_fill_it():
+    """Issue 48, item 5: freqcache holds two batches' rows in staging slots beside its cache; the
+    model's hbm share holds both, so its cache is the share less the staging."""
+    rng = np.random.default_rng(3)
+    steps = [np.minimum(rng.zipf(1.3, 100) - 1, 1999) for _ in range(16)]
+    asked = []
+    real = _freqcache(steps, 2000, 4, 4)
+
+    def freqcache(ratio, moves):
+        asked.append(ratio)
+        return real(ratio, moves)
+
+    section = _section(steps, 2000, TierSizes(0.2, 0.1), 8, freqcache)
+    assert section["hbm_rows"] == 400 and section["freqcache_cache_rows"] == 400 - 2 * 100
+    assert section["freqcache_slots"] == 400 and asked == [200 / 2000]
+    small = _section(steps, 2000, TierSizes(0.05, 0.1), 8, freqcache)  # 100 rows: less than 200 staging slots
+    assert "freqcache" not in {e["hbm_policy"] for e in small["entries"]} and small["freqcache_cache_rows"] == 0
+    with pytest.raises(ValueError, match="fewer than freqcache's 200 staging slots"):
+        tier_model(steps, 2000, 68, TierSizes(0.05, 0.1), ("freqcache",), 8, freqcache=freqcache)
+
+
+def test_the_frequency_layout_reads_fewer_pages_and_amplifies_less_than_id_order():
+    """Hot rows spread over the ids (a hashed id space): in id order each sits in a page of
+    cold rows; the frequency layout packs the profile's hot rows together."""
+    rng = np.random.default_rng(5)
+    spread = rng.permutation(30_000)
+    steps = [spread[np.minimum(rng.zipf(1.05, 600) - 1, 29_999)] for _ in range(40)]
+    section = _section(steps, 30_000, TierSizes(0.01, 0.05), 16, profile=16)
+    by = {(e["hbm_policy"], e["dram_policy"], e["layout"]): e["nvme"] for e in section["entries"]}
+    for policy in ("lru", "lfu", "min"):
+        for host in ("lru", "min"):
+            ids, frequency = by[(policy, host, "id")], by[(policy, host, "frequency")]
+            assert frequency["pages_read_per_step"] < ids["pages_read_per_step"]
+            assert max(frequency["read_amplification"], ids["read_amplification"]) <= 4096 / 68
+        # under LRU, the store's host policy, a page read also brings more of the rows needed with it
+        assert by[(policy, "lru", "frequency")]["read_amplification"] < by[(policy, "lru", "id")]["read_amplification"]

@@ -308,6 +308,10 @@ class DevicePlanner:
         at = torch.searchsorted(self.map_rows, rows).clamp_(max=self.num_slots - 1)
         return torch.where(self.map_rows[at] == rows, self.map_slots[at].long(), self.sink)
 
+    def slot_of(self, rows: Tensor) -> Tensor:
+        """The slot holding each of ``rows`` (cached or staged), or the sink where none does."""
+        return self._lookup(rows)
+
     def _rebuild_map(self) -> None:
         # In place: a captured graph reads and writes the tensors it was captured with.
         rows, slots = self.slot_row[: self.num_slots].sort()

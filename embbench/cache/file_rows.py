@@ -8,22 +8,34 @@ file's pages (a *block* is the unit: one page of rows, or the pages of one large
 
 The look-ahead is what lets a drive keep up: each training batch is *announced* when it enters
 freqcache's window (batches before it is planned); the blocks it touches that host memory lacks
-are read then, by a background job whose reads the reader keeps in flight side by side, and
-the batch's blocks are pinned until its rows have moved. Announced batches are issued in order
+are queued then on the reader's engine (:class:`~embbench.disk.reader.Engine`: threads that live
+across calls and keep the reads of successive announcements in flight together), which reads
+each page straight into its slot, and the batch's blocks are pinned until its rows have moved. Announced batches are issued in order
 as long as the pinned blocks leave a quarter of host memory free; the rest wait in a queue. A
 step waits only for reads that have not arrived (its *stall*); a row that no announcement
 brought (an evaluation batch, a write-back into an evicted block) is read on demand, also a
-stall. Evicted dirty blocks are written back to the file before their memory is reused.
+stall. An evicted dirty block is copied out of its slot and written from that copy, so the read
+into the slot need not wait; a read of a block whose write (or patch) is still in flight waits
+for it.
 
-Every bookkeeping array is the calling thread's: the background worker only moves bytes
-between the file and blocks that no one else touches until its job is reaped.
+The bookkeeping arrays are guarded by one lock: an announcement's own work (its blocks, found
+with ``np.unique``; pins, evictions, reads queued) runs on a bookkeeping thread, off the caller's
+thread, and a call that depends on an announcement waits for it first (the batch's gather and
+release). The engine only moves bytes between the file and slots that no one else touches until
+their transfer is reaped.
+
+Longer than 600 lines because: host memory's slots, their pins, the reads ahead, the write-backs
+and the patches are one set of maps under one lock; split across modules, each part would reach
+into the others' arrays.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,25 +48,42 @@ import torch
 from torch import Tensor
 
 from embbench import owned
-from embbench.disk.layout import PAGE, PageLayout
-from embbench.disk.pagefile import PageFile, aligned_pages
-from embbench.disk.reader import get_reader
+from embbench.disk.layout import PAGE, PageLayout, RowOrder
+from embbench.disk.pagefile import PageFile, Transfer, aligned_pages
+from embbench.disk.reader import Engine, get_reader
 
 __all__ = ["FileRows", "STORE_COUNTERS", "host_memory_problem"]
 
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
                   "nvme_pages_written", "nvme_pages_read_on_demand", "nvme_pages_read_ahead", "nvme_read_ns",
-                  "stall_ns", "prefetch_batches_waited")
+                  "nvme_engine_ios", "nvme_pages_read_for_writes", "stall_ns", "prefetch_batches_waited")
 
 
 @dataclass
 class _Job:
-    """One announced batch's I/O: dirty victims out, then the missing blocks in."""
+    """One announced batch's reads of the blocks it lacked, straight into their slots."""
 
     number: int
     slots: np.ndarray  # the slots it fills (their ready flag is set when it is reaped)
-    future: Future
+    reads: Transfer
+
+
+def _locked(settle_all: bool):
+    """The method runs under the store's lock, after every announcement (``settle_all``) or
+    none (a write-back needs none: a block an announcement reads later waits for its writes)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kw):
+            if settle_all:
+                self._settle(None)
+            with self._lock:
+                return method(self, *args, **kw)
+
+        return run
+
+    return wrap
 
 
 class FileRows:
@@ -68,6 +97,9 @@ class FileRows:
             ``dram_ratio`` is refused, saying which is needed).
         direct: read and write with O_DIRECT (False only where a test must run on tmpfs).
         io_depth: reads the reader keeps in flight.
+        order: where each row sits in the file (:class:`~embbench.disk.layout.RowOrder`; default
+            row r at place r). The callers speak of rows; pages hold places.
+        table_starts: each table's first row: the loads and write-backs are counted per table too.
     """
 
     @classmethod
@@ -101,8 +133,13 @@ class FileRows:
         return store
 
     def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype, dram_ratio: float, batch_blocks: int,
-                 direct: bool = True, io_depth: int = 32):
+                 direct: bool = True, io_depth: int = 32, order: RowOrder | None = None,
+                 table_starts: np.ndarray | None = None):
         self.dtype, self.width = dtype, width
+        self.table_starts = np.zeros(1, np.int64) if table_starts is None else np.asarray(table_starts, np.int64)
+        # per table: dram_loads, dram_load_misses, dram_write_backs, dram_write_misses
+        self.table_counts = np.zeros((len(self.table_starts), 4), np.int64)
+        self.order = order or RowOrder(rows)
         self.row_bytes = width * torch.empty(0, dtype=dtype).element_size()
         self.layout = layout = PageLayout(rows, self.row_bytes)
         self.rows_per_block, self.block_pages = layout.rows_per_page, layout.pages_per_row
@@ -115,6 +152,7 @@ class FileRows:
         self.reserve = min(batch_blocks, capacity // 2)  # kept free for reads on demand
         self.removed_stale: list[str] = []
         self.file = PageFile.create(path, layout.pages, direct=direct, reader=get_reader(io_depth))
+        self.engine = Engine(io_depth)  # the reads ahead, on demand and the write-backs
         self.path = self.file.path
         self.buffer = aligned_pages(capacity * self.block_pages)  # [pages, PAGE] uint8
         self._rows = self._block_rows(self.buffer)  # every row of every slot: [slot, row in block, byte]
@@ -127,13 +165,19 @@ class FileRows:
         self.read_for = np.full(capacity, -1, np.int64)  # the batch whose announcement read the slot's block
         self.filled_by = np.full(capacity, -1, np.int64)  # the job that fills the slot
         self._clock = 0
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-io")
+        self._patcher = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-patch")  # read, patch, write
+        self._lock = threading.RLock()  # the bookkeeping's: the caller's thread and the announcements'
+        self._books = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-books")  # announcements, in order
+        self._announcing: deque[tuple[int, Future]] = deque()  # (number, its work), not waited for yet
         self._jobs: deque[_Job] = deque()  # submitted, not reaped, in order
+        # blocks with a write (a write-back or a patch) in flight: a read of one waits for it
+        self._writing: dict[int, Transfer | Future] = {}
+        self._writes: deque[tuple[np.ndarray, Transfer | Future]] = deque()  # in flight, in order
         self._queued: deque[tuple[int, np.ndarray]] = deque()  # announced, not issued: (number, blocks)
         self._pinned: dict[int, np.ndarray] = {}  # issued batch -> its slots
         # an announced batch's reads and writes, counted when its rows have moved (its reads may
         # be issued many batches before: the step that uses them is the one they serve)
-        self._issued: dict[int, list[tuple[int, int, Future]]] = {}
+        self._issued: dict[int, list[tuple[int, int]]] = {}
         self.counts = dict.fromkeys(STORE_COUNTERS, 0)
 
     # -- what the caller sees --------------------------------------------------------------------
@@ -141,31 +185,51 @@ class FileRows:
     @property
     def nbytes(self) -> int:
         """Host memory the store holds: its blocks and its maps."""
-        maps = self.block_slot.nbytes + sum(a.nbytes for a in (self.slot_block, self.ready, self.dirty, self.pins,
+        maps = self.order.nbytes + self.block_slot.nbytes + sum(a.nbytes for a in (self.slot_block, self.ready, self.dirty, self.pins,
                                                                  self.last_use, self.read_for, self.filled_by))
         return self.buffer.nbytes + maps
 
     def describe(self) -> dict:
         return {"store": "file", "store_file": str(self.path), "store_file_bytes": self.layout.file_bytes,
                 "store_filesystem": self.file.filesystem, "store_direct": self.file.direct,
-                "store_direct_problem": self.file.direct_problem, "store_reader": self.file.reader.name,
+                "store_direct_problem": self.file.direct_problem, "store_reader": self.engine.name,
                 "dram_blocks": self.capacity, "store_blocks": self.blocks, "rows_per_block": self.rows_per_block,
-                "block_bytes": self.block_bytes, "store_files_removed": self.removed_stale}
+                "block_bytes": self.block_bytes, "store_layout": self.order.name,
+                "store_rows_moved": len(self.order.moved), "store_files_removed": self.removed_stale}
 
     def fill(self, make_rows: Callable[[int, int], Tensor], chunk_blocks: int = 4096,
              run: Callable[[Callable, list], None] | None = None) -> None:
         """Write every row once, a chunk of whole blocks at a time: ``make_rows(start, stop)``
         returns rows ``[start, stop)`` packed (``[n, width]`` of ``dtype``). ``run(fill, jobs)``
-        may run the chunks side by side (they write distinct pages)."""
+        may run the chunks side by side (they write distinct pages). With rows moved by the
+        order, their values are made first (a pass over the chunks that hold them)."""
         step = chunk_blocks * self.rows_per_block
         jobs = [(lo, min(self.layout.rows, lo + step)) for lo in range(0, self.layout.rows, step)]
+        moved = self.order.moved
+        moved_values = torch.empty(len(moved), self.row_bytes, dtype=torch.uint8)
+
+        def packed(lo: int, hi: int) -> Tensor:
+            return make_rows(lo, hi).contiguous().view(torch.uint8).reshape(hi - lo, self.row_bytes)
+
+        def collect(job: tuple[int, int]) -> None:
+            a, b = np.searchsorted(moved, job)
+            if a < b:
+                moved_values[a:b] = packed(*job)[torch.from_numpy(moved[a:b] - job[0])]
+
+        if len(moved):
+            (run or _serially)(collect, jobs)
+        row_at_moved = self.order.row_at(moved)  # the row at each moved place (the moved set is also theirs)
 
         def fill(job: tuple[int, int]) -> None:
-            lo, hi = job
+            lo, hi = job  # places
             blocks = math.ceil((hi - lo) / self.rows_per_block)
             staging = aligned_pages(blocks * self.block_pages)
             padded = torch.zeros(blocks * self.rows_per_block, self.row_bytes, dtype=torch.uint8)
-            padded[: hi - lo] = make_rows(lo, hi).contiguous().view(torch.uint8).reshape(hi - lo, self.row_bytes)
+            padded[: hi - lo] = packed(lo, hi)  # the rows that stay at their own place
+            a, b = np.searchsorted(moved, job)  # the places of moved rows here (the moved set is theirs)
+            if a < b:
+                rows_there = row_at_moved[a:b]
+                padded[torch.from_numpy(moved[a:b] - lo)] = moved_values[torch.from_numpy(np.searchsorted(moved, rows_there))]
             self._block_rows(staging).copy_(padded.view(blocks, self.rows_per_block, self.row_bytes))
             first = lo // self.rows_per_block
             self.file.write(self._pages_of(np.arange(first, first + blocks)), staging)
@@ -174,19 +238,54 @@ class FileRows:
 
     def announce(self, number: int, rows: np.ndarray) -> None:
         """Training batch ``number`` (in window order) will touch ``rows``: read what host memory
-        lacks, in the background, as soon as there is room."""
-        self._queued.append((number, np.unique(np.asarray(rows, dtype=np.int64) // self.rows_per_block)))
+        lacks, in the background, as soon as there is room. A batch may be announced again with
+        more rows (before its rows move): they join it, ahead of the later batches. Returns at
+        once: the bookkeeping thread does the work."""
+        rows = np.array(rows, dtype=np.int64)  # (a copy: the caller may reuse its array)
+        self._announcing.append((number, self._books.submit(self._announced, number, rows)))
+
+    def _settle(self, upto: int | None) -> None:
+        """(On the caller's thread.) Wait for the announcements of batches up to ``upto`` (all:
+        None), re-raising their errors."""
+        later: deque[tuple[int, Future]] = deque()
+        while self._announcing:
+            number, work = self._announcing.popleft()
+            if upto is None or number <= upto:
+                work.result()
+            else:
+                later.append((number, work))
+        self._announcing = later
+
+    def _announced(self, number: int, rows: np.ndarray) -> None:
+        """(On the bookkeeping thread.) The batch's blocks, then, under the lock, its reads."""
+        blocks = np.unique(self.order.place(rows) // self.rows_per_block)
+        if not len(blocks):
+            return
+        with self._lock:
+            self._queue(number, blocks)
+
+    def _queue(self, number: int, blocks: np.ndarray) -> None:
+        at = len(self._queued)
+        while at and self._queued[at - 1][0] > number:
+            at -= 1
+        self._queued.insert(at, (number, blocks))
         self._issue()
 
     def release(self, number: int) -> None:
-        """Batch ``number``'s rows have moved: its blocks may be evicted again."""
-        for pages_read, pages_written, job in self._issued.pop(number, []):
+        """Batch ``number``'s rows have moved: its blocks may be evicted again (after its
+        announcements, and those of the batches before it)."""
+        self._settle(number)
+        with self._lock:
+            self._release(number)
+
+    def _release(self, number: int) -> None:
+        for pages_read, pages_written in self._issued.pop(number, []):
             self.counts["nvme_pages_read"] += pages_read
             self.counts["nvme_pages_read_ahead"] += pages_read
             self.counts["nvme_pages_written"] += pages_written
-            self.counts["nvme_read_ns"] += job.result()  # (done: its batch was planned)
         slots = self._pinned.pop(number, None)
         if slots is not None:
+            self._wait_for(number)  # (done by now): an unpinned slot must hold what it says
             np.subtract.at(self.pins, slots, 1)
         self._queued = deque((n, b) for n, b in self._queued if n != number)  # never issued: drop it
         self._issue()
@@ -194,13 +293,21 @@ class FileRows:
     def gather(self, rows: np.ndarray, number: int | None = None) -> Tensor:
         """Rows ``rows`` (distinct), packed: ``[len(rows), width]`` of ``dtype``. ``number``:
         the batch whose plan loads them (counts a row its announcement read as a miss of
-        host memory)."""
-        rows = np.asarray(rows, dtype=np.int64)
+        host memory; its announcements, and those before it, are done first)."""
+        if number is not None:
+            self._settle(number)
+        with self._lock:
+            return self._gather(rows, number)
+
+    def _gather(self, rows: np.ndarray, number: int | None) -> Tensor:
+        tables = self._tables_of(rows)
+        rows = self.order.place(rows)  # (from here on, rows are places)
         out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
         for part in self._parts(rows):  # more blocks than host memory has room for: a part at a time
             slots, within, missed = self._resident(rows[part], number)
             self.counts["dram_loads"] += len(part)
             self.counts["dram_load_misses"] += int(missed.sum())
+            self._count_tables(tables[part], 0, missed)
             out[torch.from_numpy(part)] = self._rows[torch.from_numpy(slots), torch.from_numpy(within)]
         return out.view(self.dtype)
 
@@ -215,21 +322,25 @@ class FileRows:
         part_of = np.searchsorted(distinct, blocks[order]) // max(1, self.reserve)
         return np.split(order, np.flatnonzero(np.diff(part_of)) + 1)
 
+    @_locked(False)
     def scatter(self, rows: np.ndarray, values: Tensor) -> None:
         """Write packed rows (distinct). Rows whose block host memory holds are written there
         (the file gets them when the block is evicted); the others are patched into the file by
         a background job (read, patch, write): a write-back never waits for a read."""
-        rows = np.asarray(rows, dtype=np.int64)
+        tables = self._tables_of(rows)
+        rows = self.order.place(rows)  # (from here on, rows are places)
         values = values.contiguous().view(torch.uint8).reshape(len(rows), self.row_bytes)
         held = self.block_slot[rows // self.rows_per_block] >= 0
         self.counts["dram_write_backs"] += len(rows)
         self.counts["dram_write_misses"] += int((~held).sum())
+        self._count_tables(tables, 2, ~held)
         if not held.all():
             self._submit_patch(rows[~held], values[torch.from_numpy(~held)].clone())
         slots, within, _ = self._resident(rows[held], None)
         self._rows[torch.from_numpy(slots), torch.from_numpy(within)] = values[torch.from_numpy(held)]
         self.dirty[slots] = True
 
+    @_locked(True)
     def table(self) -> Tensor:
         """Every row (``[rows, width]``), read back from the file after writing every dirty
         block: what :meth:`flush` of the cache returns. Holds the whole table: for tests."""
@@ -243,9 +354,11 @@ class FileRows:
             view = self._block_rows(staging)
             lo = first * self.rows_per_block
             hi = min(self.layout.rows, lo + len(blocks) * self.rows_per_block)
-            out[lo:hi] = view.reshape(-1, self.row_bytes)[: hi - lo].view(self.dtype)
+            rows = torch.from_numpy(self.order.row_at(np.arange(lo, hi)))
+            out[rows] = view.reshape(-1, self.row_bytes)[: hi - lo].view(self.dtype)
         return out
 
+    @_locked(True)
     def write_dirty(self) -> None:
         """Every dirty block to the file (waits for the background jobs first)."""
         self._drain()
@@ -254,14 +367,39 @@ class FileRows:
             self._write(self.slot_block[slots], slots)
             self.dirty[slots] = False
 
+    def _tables_of(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.table_starts, np.asarray(rows, dtype=np.int64), side="right") - 1
+
+    def _count_tables(self, tables: np.ndarray, column: int, missed: np.ndarray) -> None:
+        """Per table: rows (column) and those host memory lacked (column + 1)."""
+        n = len(self.table_starts)
+        self.table_counts[:, column] += np.bincount(tables, minlength=n)
+        self.table_counts[:, column + 1] += np.bincount(tables[missed], minlength=n)
+
+    @_locked(True)
+    def table_counters(self, names: list[str]) -> dict[str, int]:
+        """``table.<name>.<counter>``: the host tier's counters of each table."""
+        out = {}
+        for name, counts in zip(names, self.table_counts.tolist()):
+            for key, value in zip(("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses"), counts):
+                out[f"table.{name}.{key}"] = value
+        return out
+
+    @_locked(True)
     def counters(self) -> dict[str, int]:
         self._reap()
+        engine = self.engine.stats()  # the time it had a transfer in flight, and its transfers
+        self.counts["nvme_read_ns"] = engine["busy_ns"]
+        self.counts["nvme_engine_ios"] = engine["pages_read"] + engine["pages_written"]
         return dict(self.counts)
 
     def close(self, remove: bool = True) -> None:
-        """Stop the background worker and close (and remove, with its owner note) the file; safe
+        """Stop the background work and close (and remove, with its owner note) the file; safe
         to call twice."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._books.shutdown(wait=True, cancel_futures=True)
+        self._announcing.clear()
+        self._patcher.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()
         self.file.close()
         if remove:
             owned.release(self.path)
@@ -272,6 +410,7 @@ class FileRows:
         """Issue queued announcements in order while their pins leave the reserve of host memory
         (the first always goes: the batch planned next must not wait for room)."""
         reserve = self.reserve
+        self._reap()
         while self._queued:
             number, blocks = self._queued[0]
             slots = self.block_slot[blocks]
@@ -290,13 +429,13 @@ class FileRows:
                 self.read_for[victims] = number
                 self._submit(number, leaving, missing, victims)
                 slots = self.block_slot[blocks]
-            self._pinned[number] = slots
+            self._pinned[number] = slots if number not in self._pinned else np.concatenate([self._pinned[number], slots])
 
     def _evict(self, k: int, keep: np.ndarray | None = None) -> np.ndarray:
         """``k`` unpinned slots, empty ones first then the least recently used, never one of
         ``keep`` (the slots the caller is about to use); their dirty blocks are written by the
         job that fills them (before it reads)."""
-        free = self.pins == 0
+        free = (self.pins == 0) & (self.ready | (self.slot_block < 0))  # (never a slot being read into)
         if keep is not None:
             free[keep] = False
         if int(free.sum()) < k:
@@ -323,40 +462,69 @@ class FileRows:
 
     def _submit(self, number: int, leaving: tuple[np.ndarray, np.ndarray], blocks: np.ndarray,
                 slots: np.ndarray) -> None:
-        write_blocks, write_slots = leaving
+        """Dirty victims out (from a copy), and ``blocks`` read straight into ``slots``."""
+        pages_written = self._write_back(*leaving)
+        self._wait_for_writes(blocks)
         self.filled_by[slots] = number
-        future = self._worker.submit(self._move_blocks, write_blocks, write_slots, blocks, slots)
-        self._jobs.append(_Job(number, slots, future))
-        self._issued.setdefault(number, []).append(
-            (len(blocks) * self.block_pages, len(write_blocks) * self.block_pages, future))
+        reads = self.file.submit(self.engine, self._pages_of(blocks), self.buffer, self._slot_pages(slots), write=False)
+        self._jobs.append(_Job(number, slots, reads))
+        self._issued.setdefault(number, []).append((len(blocks) * self.block_pages, pages_written))
+
+    def _write_back(self, blocks: np.ndarray, slots: np.ndarray) -> int:
+        """Queue the writes of dirty ``blocks`` leaving ``slots``, from a copy (the slots may be
+        read into at once); returns the pages written."""
+        if not len(blocks):
+            return 0
+        copy = self.buffer[self._slot_pages(slots)]  # (fancy indexing copies, into aligned memory below)
+        staging = aligned_pages(len(copy))
+        staging[:] = copy
+        writes = self.file.submit(self.engine, self._pages_of(blocks), staging, np.arange(len(staging)), write=True)
+        self._track_writes(blocks, writes)
+        return len(blocks) * self.block_pages
+
+    def _track_writes(self, blocks: np.ndarray, writes: Transfer | Future) -> None:
+        self._writes.append((blocks, writes))
+        for block in blocks.tolist():
+            self._writing[block] = writes
+
+    def _wait_for_writes(self, blocks: np.ndarray) -> None:
+        """Before ``blocks`` are read: the writes of them still in flight."""
+        if not self._writing:
+            return
+        for block in np.intersect1d(blocks, np.fromiter(self._writing, np.int64, len(self._writing))).tolist():
+            _finish(self._writing[block])
+        self._reap_writes()
+
+    def _reap_writes(self, everything: bool = False) -> None:
+        while self._writes and (everything or self._writes[0][1].done()):
+            blocks, writes = self._writes.popleft()
+            _finish(writes)  # re-raises its error (a full disk), naming the file
+            for block in blocks.tolist():
+                if self._writing.get(block) is writes:
+                    del self._writing[block]
 
     def _submit_patch(self, rows: np.ndarray, values: Tensor) -> None:
         """A background job writes ``rows`` into their blocks in the file (which host memory
-        does not hold). Later jobs run after it: a block read afterwards has the rows."""
+        does not hold): reads them, after the writes of them in flight, patches and writes them.
+        A later read of those blocks waits for it."""
         blocks, where = np.unique(rows // self.rows_per_block, return_inverse=True)
         pages = len(blocks) * self.block_pages
         self.counts["nvme_pages_read"] += pages
+        self.counts["nvme_pages_read_for_writes"] += pages
         self.counts["nvme_pages_written"] += pages
-        number = self._jobs[-1].number if self._jobs else -1  # waiting for it waits for no later batch
-        future = self._worker.submit(self._patch, blocks, where, rows % self.rows_per_block, values)
-        self._jobs.append(_Job(number, np.empty(0, np.int64), future))
+        before = [self._writing[b] for b in blocks.tolist() if b in self._writing]
+        patch = self._patcher.submit(self._patch, before, blocks, where, rows % self.rows_per_block, values)
+        self._track_writes(blocks, patch)
 
-    def _patch(self, blocks: np.ndarray, where: np.ndarray, within: np.ndarray, values: Tensor) -> None:
-        """(On the worker.) Read ``blocks``, write the rows into them, write them back."""
+    def _patch(self, before: list, blocks: np.ndarray, where: np.ndarray, within: np.ndarray, values: Tensor) -> None:
+        """(On the patch thread.) Read ``blocks``, write the rows into them, write them back."""
+        for writes in before:
+            _finish(writes)
         staging = aligned_pages(len(blocks) * self.block_pages)
-        self.file.read(self._pages_of(blocks), staging)
+        every = np.arange(len(staging))
+        self.file.submit(self.engine, self._pages_of(blocks), staging, every, write=False).wait()
         self._block_rows(staging)[torch.from_numpy(where), torch.from_numpy(within)] = values
-        self.file.write(self._pages_of(blocks), staging)
-
-    def _move_blocks(self, write_blocks: np.ndarray, write_slots: np.ndarray, read_blocks: np.ndarray,
-                     read_slots: np.ndarray) -> int:
-        """(On the worker.) Dirty victims out, then the new blocks into their slots; returns the
-        nanoseconds the reads took."""
-        if len(write_blocks):
-            self._write(write_blocks, write_slots)
-        started = time.perf_counter_ns()
-        self._read(read_blocks, read_slots)
-        return time.perf_counter_ns() - started
+        self.file.submit(self.engine, self._pages_of(blocks), staging, every, write=True).wait()
 
     def _resident(self, rows: np.ndarray, number: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each row's slot and place in it, once its block is in host memory (waiting for
@@ -378,15 +546,15 @@ class FileRows:
         return slots, rows % self.rows_per_block, missed
 
     def _read_on_demand(self, blocks: np.ndarray, keep: np.ndarray) -> None:
-        """Read ``blocks`` now, into slots other than ``keep`` (those of the caller's other rows)."""
+        """Read ``blocks`` now (ahead of the reads queued), into slots other than ``keep`` (those
+        of the caller's other rows)."""
         started = time.perf_counter_ns()
-        self._drain()  # a block being evicted is written first; and no job fills a slot taken here
+        self._reap()
         victims = self._evict(len(blocks), keep)
-        write_blocks, write_slots = self._attach(blocks, victims)
-        if len(write_blocks):
-            self._write(write_blocks, write_slots)
-            self.counts["nvme_pages_written"] += len(write_blocks) * self.block_pages
-        self._read(blocks, victims)
+        self.counts["nvme_pages_written"] += self._write_back(*self._attach(blocks, victims))
+        self._wait_for_writes(blocks)
+        self.file.submit(self.engine, self._pages_of(blocks), self.buffer, self._slot_pages(victims), write=False,
+                         urgent=True).wait()
         self.ready[victims] = True
         self.read_for[victims] = -1
         self.counts["nvme_pages_read"] += len(blocks) * self.block_pages
@@ -398,22 +566,25 @@ class FileRows:
         started = time.perf_counter_ns()
         waited = False
         while self._jobs and self._jobs[0].number <= number:
-            waited |= not self._jobs[0].future.done()
+            waited |= not self._jobs[0].reads.done()
             self._reap_one()
         self.counts["stall_ns"] += time.perf_counter_ns() - started
         self.counts["prefetch_batches_waited"] += int(waited)
 
     def _drain(self) -> None:
+        """Every transfer in flight: the reads, the write-backs and the patches."""
         if self._jobs:
             self._wait_for(self._jobs[-1].number)
+        self._reap_writes(everything=True)
 
     def _reap(self) -> None:
-        while self._jobs and self._jobs[0].future.done():
+        while self._jobs and self._jobs[0].reads.done():
             self._reap_one()
+        self._reap_writes()
 
     def _reap_one(self) -> None:
         job = self._jobs.popleft()
-        job.future.result()  # re-raises the worker's error (a full disk, an I/O error) here, naming the file
+        job.reads.wait()  # re-raises its error (an I/O error) here, naming the file
         self.ready[job.slots[self.filled_by[job.slots] == job.number]] = True
 
     def _touch(self, slots: np.ndarray) -> None:
@@ -435,11 +606,6 @@ class FileRows:
 
     def _slot_pages(self, slots: np.ndarray) -> np.ndarray:
         return self._pages_of(slots)  # slots are laid out in host memory as blocks are in the file
-
-    def _read(self, blocks: np.ndarray, slots: np.ndarray) -> None:
-        staging = aligned_pages(len(blocks) * self.block_pages)
-        self.file.read(self._pages_of(blocks), staging)
-        self.buffer[self._slot_pages(slots)] = staging
 
     def _write(self, blocks: np.ndarray, slots: np.ndarray) -> None:
         staging = aligned_pages(len(blocks) * self.block_pages)
@@ -464,6 +630,14 @@ def host_memory_problem(layout: PageLayout, dram_ratio: float, batch_blocks: int
 #: Row files are named ``embbench-<pid>-rank<r>-<n>.rows`` (the n-th this process made).
 _PREFIX = "embbench-"
 _made = itertools.count()
+
+
+def _finish(writes: Transfer | Future) -> None:
+    """Wait for a write-back (a Transfer) or a patch (a Future), re-raising its error."""
+    if isinstance(writes, Transfer):
+        writes.wait()
+    else:
+        writes.result()
 
 
 def _serially(fill: Callable, jobs: list) -> None:

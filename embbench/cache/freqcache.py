@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Iterable, Literal
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
@@ -44,7 +45,7 @@ from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan,
                                              auto_window_pairs, cache_window)
 from embbench.data.batch import SparseFeatures
 from embbench.data.weights import fill_in_parallel
-from embbench.disk.layout import PageLayout
+from embbench.disk.layout import PageLayout, RowOrder
 from embbench.disk.probe import measure_drive
 from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
@@ -81,11 +82,16 @@ class FreqCacheParams(StrategyParams):
     io_depth: int = Field(32, ge=1, le=1024, description="store: file: reads the reader keeps in flight")
     drive_probe_s: float = Field(1.0, ge=0, le=60, description="store: file: seconds of random reads at io_depth that "
                                                                "measure the drive at build, for the record (0: off)")
+    store_layout: Literal["id", "frequency", "table_frequency"] = Field(
+        "frequency", description="store: file: rows in pages in id order; frequency: the profile's rows used in more "
+                                 "than one batch first, most used first; table_frequency: in each table, the rows the "
+                                 "profile saw first (docs/nvme.md: which reads less where)")
 
     @model_validator(mode="after")
     def _file_store_only(self):
         if self.store == "memory":
-            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth", "drive_probe_s") if k in self.model_fields_set)
+            given = sorted(k for k in ("store_dir", "dram_ratio", "io_depth", "drive_probe_s", "store_layout")
+                           if k in self.model_fields_set)
             if given:
                 raise ValueError(f"{', '.join(given)}: only for store: file (store is memory)")
         return self
@@ -239,6 +245,12 @@ class FreqCache(SparseModule):
         self._running: int | None = None  # the plan of the last forwarded batch
         self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
+        self._held_at_entry: dict[int, Tensor] = {}  # store: file: a batch's rows the device held when announced
+        # per table, on the device (no host read a step): distinct rows of training batches, rows
+        # loaded into slots, rows written back (metrics.tiers_by_table)
+        self._table_names = [t.name for t in ctx.tables]
+        self._table_starts = self.space.starts.to(self.device)
+        self._table_counts = torch.zeros(len(ctx.tables), 3, dtype=torch.int64, device=self.device)
         # The Belady window: the first belady_steps training batches after warm-up.
         self._warmup_steps = ctx.warmup_steps
         self._observed = 0
@@ -260,7 +272,28 @@ class FreqCache(SparseModule):
                 self._numbers[id(features.values)] = (features.values, number)
                 self._entering.append(features)
                 if self.file_rows is not None:  # its blocks are read from the drive from now on
-                    self.file_rows.announce(number, self.space.global_rows(features).cpu().numpy())
+                    self._announce(number, self.space.global_rows(features.to(self.device)))
+
+    def _announce(self, number: int, rows: Tensor) -> None:
+        """Announce to the row file the rows of batch ``number`` that the device holds no slot for
+        (the others need no read: issue 50, 12); those it holds are checked again before the
+        batch's plan (:meth:`_announce_evicted`), as the plans between may evict them."""
+        with self._on_side():  # after the plans queued so far
+            held = self.planner.slot_of(rows) != self.planner.sink
+            self._held_at_entry[number] = rows[held]
+            self.file_rows.announce(number, rows[~held].cpu().numpy())
+
+    def _announce_evicted(self, number: int) -> None:
+        """Before batch ``number`` is planned: its rows the device held when it was announced and
+        has evicted since are announced too (read during the step before its plan)."""
+        for old in [n for n in self._held_at_entry if n < number]:
+            del self._held_at_entry[old]  # (batches planned without their number: evaluation's)
+        rows = self._held_at_entry.pop(number, None)
+        if rows is not None and len(rows):
+            with self._on_side():
+                gone = rows[self.planner.slot_of(rows) == self.planner.sink]
+                if len(gone):
+                    self.file_rows.announce(number, gone.cpu().numpy())
 
     def _enter_pending(self) -> None:
         """Queue the device work of the batches that entered the window since the last call."""
@@ -296,11 +329,43 @@ class FreqCache(SparseModule):
             out = (out[0].clone(), *out[1:])
             self._check_first_replay(out[0], rows)
         plan = DevicePlan(pid, *out, sink=self.planner.sink, pad_row=self.planner.pad_row)
+        if train:
+            self._count_tables(rows, plan)
         if closes:
             self._window_end = self.planner.counts.clone()
         if running is not None:
             self._late, self._late_batch = plan, number
+        if self.file_rows is not None and number is not None:
+            self._announce_evicted(number + 1)  # after this plan's evictions
         return plan.slots
+
+    def _count_tables(self, rows: Tensor, plan: DevicePlan) -> None:
+        """Per table: the batch's distinct rows, the rows its plan loads and writes back (tensor
+        operations of fixed shapes: nothing is read on the host)."""
+        ordered = rows.sort().values
+        first = torch.ones_like(ordered, dtype=torch.int64)
+        first[1:] = ordered[1:] != ordered[:-1]
+        pad = self.planner.pad_row
+
+        def add(column: int, of: Tensor, weight: Tensor) -> None:
+            at = (torch.searchsorted(self._table_starts, of.clamp(max=self.num_rows - 1), right=True) - 1) * 3 + column
+            self._table_counts.view(-1).index_add_(0, at, weight)
+
+        add(0, ordered, first)
+        add(1, plan.load_rows, (plan.load_rows < pad).long())
+        add(2, plan.write_back_rows, (plan.write_back_rows < pad).long())
+
+    def table_counters(self) -> dict[str, int]:
+        """``table.<name>.<counter>`` for each table: its share of the tier counters."""
+        self._join_side()
+        counts = self._table_counts.tolist()
+        out = {}
+        for name, (distinct, loaded, written) in zip(self._table_names, counts):
+            out.update({f"table.{name}.unique_accesses": distinct, f"table.{name}.rows_loaded": loaded,
+                        f"table.{name}.rows_written_back": written})
+        if self.file_rows is not None:
+            out.update(self.file_rows.table_counters(self._table_names))
+        return out
 
     def _plan_and_move(self, rows: Tensor, train: bool, step: StepKind) -> tuple[Tensor, ...]:
         """A plan's device work and its early moves; returns the plan's tensors."""
@@ -453,9 +518,11 @@ class FreqCache(SparseModule):
         folder = Path(params.store_dir) if params.store_dir else ctx.work_dir
         if folder is None:
             raise Unsupported("store: file needs store_dir (this harness gives the cell no folder of its own)")
+        on_host = [rows.cpu().numpy() for rows in profiled]
+        order = store_order(params.store_layout, self.num_rows, on_host, self.space.starts.tolist())
         rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,
-                               params.dram_ratio, batch_blocks=batch_blocks(profiled, PageLayout(self.num_rows, self.row_bytes)),
-                               io_depth=params.io_depth)
+                               params.dram_ratio, batch_blocks=batch_blocks(on_host, PageLayout(self.num_rows, self.row_bytes), order),
+                               io_depth=params.io_depth, order=order, table_starts=self.space.starts.numpy())
         rounded = None if kind.exact else kind
 
         def make_rows(start: int, stop: int) -> Tensor:
@@ -586,7 +653,8 @@ class FreqCache(SparseModule):
         # No host planning and no own host syncs to count (the step's syncs are counted by the
         # runner's operator counter, on CUDA).
         return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
-                **self.store.work_counters(), **(self.file_rows.counters() if self.file_rows else {})}
+                **self.store.work_counters(), **(self.file_rows.counters() if self.file_rows else {}),
+                **self.table_counters()}
 
     def memory(self) -> MemoryFootprint:
         device = self.store.nbytes + self.planner.nbytes
@@ -701,10 +769,21 @@ class _StreamRecorder:
         return [self.buffer[i, :n].long() for i, n in enumerate(self.lengths)]
 
 
-def batch_blocks(profiled: Iterable[Tensor], layout: PageLayout) -> int:
-    """The most blocks of a row file one batch touches: the profiled batches' most, and a quarter
-    more for batches beyond the profile."""
-    touched = max((len(torch.unique(rows // layout.rows_per_page)) for rows in profiled), default=1)
+def store_order(store_layout: str, num_rows: int, profiled: list[np.ndarray], table_starts: list[int]) -> RowOrder | None:
+    """Where ``store: file`` places each row (``store_layout``; None: in id order), from the
+    profiled batches' rows: the build and the preflight place them alike."""
+    if store_layout == "frequency":
+        return RowOrder.by_frequency(num_rows, profiled)
+    if store_layout == "table_frequency":
+        return RowOrder.by_table_frequency(num_rows, profiled, table_starts)
+    return None
+
+
+def batch_blocks(profiled: Iterable[np.ndarray], layout: PageLayout, order: RowOrder | None = None) -> int:
+    """The most blocks of a row file one batch touches, its rows placed by ``order``: the profiled
+    batches' most, and a quarter more for batches beyond the profile."""
+    place = order.place if order is not None else (lambda rows: rows)
+    touched = max((len(np.unique(place(rows) // layout.rows_per_page)) for rows in profiled), default=1)
     return math.ceil(1.25 * touched)
 
 
@@ -739,10 +818,15 @@ class FreqCacheStrategy(Strategy):
             refusal = None
             if train_batches is not None and world_size == 1:  # the profile the build sizes host memory by
                 space = RowSpace(tables)
-                profiled = (space.global_rows(batch.sparse) for batch in train_batches(self.params.profile_batches))
-                refusal = host_memory_problem(layout, self.params.dram_ratio, batch_blocks(profiled, layout))
+                profiled = [space.global_rows(batch.sparse).numpy() for batch in train_batches(self.params.profile_batches)]
+                order = store_order(self.params.store_layout, n, profiled, space.starts.tolist())
+                refusal = host_memory_problem(layout, self.params.dram_ratio, batch_blocks(profiled, layout, order))
+            # the frequency layout's map: 8 bytes a row it moves (the rows used twice or more in the
+            # profile, and as many rows they displace: at most one per profiled id)
+            moved = 0 if self.params.store_layout == "id" or local_batch_size is None else \
+                min(n, self.params.profile_batches * local_batch_size * sum(t.bag_size for t in tables))
             return MemoryFootprint(device_bytes=device, host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes)
-                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir,
+                                   + blocks * 8 + moved * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir,
                                    scratch_bytes=_PROBE_FILE_BYTES if self.params.drive_probe_s else 0, refusal=refusal)
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 

@@ -14,8 +14,9 @@ Three tiers, as freqcache with its rows in a file runs them (issue 43):
   A write makes its page dirty; a write to a page not held reads it first where the page
   holds other rows (a read-modify-write); a dirty page is written when it leaves.
 - **nvme**: the drive: the pages the host cache misses (reads) and the dirty pages it lets
-  go (writes), a batch; read amplification is the bytes read over the bytes of the rows
-  the device needed from them; the time a batch's reads take at ``--iops`` random reads a
+  go (writes), a batch; read amplification is the bytes of the pages read for rows the
+  device needed over those rows' bytes (at most a page over a row: the pages read only to
+  merge a written row are counted apart); the time a batch's reads take at ``--iops`` random reads a
   second, and against a measured step (``--step-ms``) the ratio: below 1 the drive keeps up.
 
 A batch's pages are looked up against the host cache as it was after the previous batch,
@@ -34,12 +35,12 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 from rich.table import Table
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from embbench.bounds import Count, NonNegative, Positive, PositiveCount, Rate
 from embbench.cache.curve import CacheTrace, StepRows, capacity_of, min_trace, read_curve, stack_trace, step_rows
 from embbench.cache.device_planner import DevicePlanner
-from embbench.disk.layout import PAGE, PageLayout
+from embbench.disk.layout import PAGE, ROW_ORDERS, PageLayout, RowOrder
 from embbench.inputs import open_schema as _open, validated
 from embbench.recommend import format_bytes
 
@@ -172,27 +173,31 @@ class _Totals:
     page_accesses: int = 0
     page_hits: int = 0
     pages_read: int = 0
+    pages_read_for_writes: int = 0  # (of pages_read) read only to merge a written row
     pages_written: int = 0
     rows_from_drive: int = 0
 
 
 def dram_tier(s: StepRows, moves: Moves, layout: PageLayout, capacity_pages: int, policy: str, skip: int = 0,
-              seed: int = 0) -> _Totals:
+              seed: int = 0, order: RowOrder | None = None) -> _Totals:
     """The host page cache of ``capacity_pages`` pages under ``policy`` (``lru``: ties from
-    ``seed``; ``min``) on a device cache's ``moves``, summed over the batches from ``skip``.
+    ``seed``; ``min``) on a device cache's ``moves``, summed over the batches from ``skip``,
+    with the rows placed in the file by ``order`` (default: in id order).
 
     The cache holds *blocks*: a page, or the pages of one row where a row takes more than one
     (they always move together)."""
     per_block = layout.pages_per_row  # pages
     rows_per_block = layout.rows_per_page
     shared = rows_per_block > 1  # a write to a page not held must read it first
+    place = order.place if order is not None else (lambda rows: rows)
     batches = []
     for t, (loaded, written) in enumerate(moves):
         here = s.step(t)
         ids = _ids_of(s, here, loaded)
         # a block appears once per id the device loads from it (its weight, as MIN breaks ties),
         # once per row written back, once at least
-        batches.append(np.concatenate([np.repeat(loaded // rows_per_block, np.maximum(ids, 1)), written // rows_per_block]))
+        batches.append(np.concatenate([np.repeat(place(loaded) // rows_per_block, np.maximum(ids, 1)),
+                                       place(written) // rows_per_block]))
     p = step_rows(batches)
     blocks = max(1, capacity_pages // per_block)
     if policy == "lru":
@@ -207,9 +212,10 @@ def dram_tier(s: StepRows, moves: Moves, layout: PageLayout, capacity_pages: int
         here, at = s.step(t), p.step(t)
         held, missed = p.rows[at], trace.missed[at]
         read = np.zeros(len(held), bool)
-        read[np.searchsorted(held, loaded // rows_per_block)] = True
-        from_drive = missed[np.searchsorted(held, loaded // rows_per_block)]
-        dirty[written // rows_per_block] = True
+        loaded_blocks = place(loaded) // rows_per_block
+        read[np.searchsorted(held, loaded_blocks)] = True
+        from_drive = missed[np.searchsorted(held, loaded_blocks)]
+        dirty[place(written) // rows_per_block] = True
         leaving = trace.evicted[t]
         flushed = int(dirty[leaving].sum())
         dirty[leaving] = False
@@ -227,6 +233,7 @@ def dram_tier(s: StepRows, moves: Moves, layout: PageLayout, capacity_pages: int
         c.page_accesses += len(held)
         c.page_hits += int((~missed).sum())
         c.pages_read += per_block * int((missed & (read | shared)).sum())
+        c.pages_read_for_writes += per_block * int((missed & ~read & shared).sum())
         c.pages_written += per_block * flushed
         c.rows_from_drive += int(from_drive.sum())
     return c
@@ -249,6 +256,7 @@ def _entry(c: _Totals, steps: int, row_bytes: int, iops: float | None, step_ms: 
     """One (device policy, host policy) line of the section."""
     reaching = c.loaded_ids  # ids that miss the device cache
     read_bytes, useful = c.pages_read * PAGE, c.rows_from_drive * row_bytes
+    load_bytes = (c.pages_read - c.pages_read_for_writes) * PAGE  # the reads that bring rows the device needs
     read_ms = 1000 * c.pages_read / steps / iops if iops else None
     return {
         "hbm": {"hit_rate": _rate(c.accesses - reaching, c.accesses),
@@ -262,34 +270,51 @@ def _entry(c: _Totals, steps: int, row_bytes: int, iops: float | None, step_ms: 
                  "page_hit_rate": _rate(c.page_hits, c.page_accesses)},
         "nvme": {"pages_read_per_step": c.pages_read / steps, "pages_written_per_step": c.pages_written / steps,
                  "bytes_read_per_step": read_bytes / steps, "bytes_written_per_step": c.pages_written * PAGE / steps,
-                 "read_amplification": read_bytes / useful if useful else None,
+                 "pages_read_for_writes_per_step": c.pages_read_for_writes / steps,
+                 "read_amplification": load_bytes / useful if useful else None,
                  "read_ms_per_step": read_ms,
                  "step_ratio": read_ms / step_ms if read_ms is not None and step_ms else None},
     }
 
 
 def tier_model(steps: list[np.ndarray], num_rows: int, row_bytes: int, sizes: TierSizes, policies, skip: int = 0,
-               seed: int = 0, freqcache=None, iops: float | None = None, step_ms: float | None = None) -> dict:
+               seed: int = 0, freqcache=None, iops: float | None = None, step_ms: float | None = None,
+               profile: int = 0, layouts=ROW_ORDERS, table_starts=(0,)) -> dict:
     """The ``tiers`` section of a curve file: every device policy of ``policies`` with every
-    host policy of :data:`DRAM_POLICIES`, on ``steps`` (each batch's global rows), counted
-    over the batches from ``skip``. ``freqcache``: its planner on the same batches
-    (:func:`embbench.cache.sweep.freqcache_policy`), needed where ``policies`` has it."""
+    host policy of :data:`DRAM_POLICIES` and every file layout of ``layouts`` (``frequency``:
+    ordered by the first ``profile`` batches, as freqcache's store orders its file), on
+    ``steps`` (each batch's global rows), counted over the batches from ``skip``.
+    ``freqcache``: its planner on the same batches (:func:`embbench.cache.sweep.freqcache_policy`),
+    needed where ``policies`` has it; it gets the ``hbm`` share's rows less its staging slots
+    (two batches' rows, which it holds beside its cache), and no entry where they leave none."""
     counted = len(steps) - skip
     if counted <= 0:
         raise ValueError(f"the tier model needs counted steps: {len(steps)} steps, {skip} of them before counting")
     layout = PageLayout(num_rows, row_bytes)
     hbm_rows, dram_pages = capacity_of(sizes.hbm, num_rows), capacity_of(sizes.dram, layout.pages)
     s = step_rows(steps)
+    orders = {"id": None, "frequency": RowOrder.by_frequency(num_rows, steps[:profile]),
+              "table_frequency": RowOrder.by_table_frequency(num_rows, steps[:profile], table_starts)}
+    orders = {name: orders[name] for name in layouts}
+    staging = DevicePlanner.slots_for(num_rows, 0, max(map(len, steps)))
+    freqcache_rows = hbm_rows - staging  # its cache, within the hbm share with its staging slots
     entries = []
     for policy in policies:
-        moves = hbm_moves(s, hbm_rows, policy, seed, freqcache, sizes.hbm)
-        for host in DRAM_POLICIES:
-            totals = dram_tier(s, moves, layout, dram_pages, host, skip, seed)
-            entries.append({"hbm_policy": policy, "dram_policy": host, **_entry(totals, counted, row_bytes, iops, step_ms)})
-    # freqcache holds rows in slots staged for two batches too: on a small table they are most of its rows
-    slots = DevicePlanner.slots_for(num_rows, hbm_rows, max(map(len, steps))) if "freqcache" in policies else None
+        if policy == "freqcache" and freqcache_rows < 1:
+            continue
+        ratio = freqcache_rows / num_rows if policy == "freqcache" else sizes.hbm
+        moves = hbm_moves(s, hbm_rows, policy, seed, freqcache, ratio)
+        for name, order in orders.items():
+            for host in DRAM_POLICIES:
+                totals = dram_tier(s, moves, layout, dram_pages, host, skip, seed, order)
+                entries.append({"hbm_policy": policy, "dram_policy": host, "layout": name,
+                                **_entry(totals, counted, row_bytes, iops, step_ms)})
+    if not entries:
+        raise ValueError(f"hbm={100 * sizes.hbm:g}% holds {hbm_rows:,} rows: fewer than freqcache's {staging:,} staging "
+                         "slots (two batches' rows), so no policy is left to model: give a larger hbm share")
+    slots = hbm_rows if "freqcache" in policies and freqcache_rows >= 1 else None
     return {"format": TIERS_FORMAT, "hbm_ratio": sizes.hbm, "dram_ratio": sizes.dram, "hbm_rows": hbm_rows,
-            "freqcache_slots": slots,
+            "freqcache_slots": slots, "freqcache_cache_rows": max(0, freqcache_rows) if "freqcache" in policies else None,
             "dram_pages": dram_pages, "rows": num_rows, "pages": layout.pages, "row_bytes": row_bytes,
             "rows_per_page": layout.rows_per_page, "pages_per_row": layout.pages_per_row, "iops": iops, "step_ms": step_ms,
             "warmup_steps": skip, "counted_steps": counted, "entries": entries}
@@ -306,8 +331,11 @@ def scenario_tiers(scenario, sizes: TierSizes, policies, warmup: int = 48, steps
     stream, table_rows, freqcache = scenario_stream(scenario, warmup, steps)
     precision = scenario.run.row_precisions[0]
     row_bytes = row_type(precision).row_bytes(scenario.data.embedding_dim, scenario.optimizer.embedding.state_width)
+    from embbench.cache.curve_scenario import FREQCACHE_PROFILE
+
+    starts = np.concatenate([[0], np.cumsum(list(table_rows.values()))[:-1]]).astype(np.int64)
     section = tier_model(stream, sum(table_rows.values()), row_bytes, sizes, policies, warmup, scenario.run.seed,
-                         freqcache, iops, step_ms)
+                         freqcache, iops, step_ms, profile=min(FREQCACHE_PROFILE, warmup), table_starts=starts)
     section["row_precision"] = precision
     return section
 
@@ -340,6 +368,7 @@ class _Nvme(TypedDict):
     pages_written_per_step: NonNegative
     bytes_read_per_step: NonNegative
     bytes_written_per_step: NonNegative
+    pages_read_for_writes_per_step: NotRequired[NonNegative]
     read_amplification: NonNegative | None
     read_ms_per_step: NonNegative | None
     step_ratio: NonNegative | None
@@ -349,6 +378,7 @@ class _Nvme(TypedDict):
 class _Entry(TypedDict):
     hbm_policy: Literal["lru", "lfu", "freqcache", "min"]
     dram_policy: Literal["lru", "min"]
+    layout: NotRequired[Literal["id", "frequency", "table_frequency"]]  # (files before issue 48: id)
     hbm: _Hbm
     dram: _Dram
     nvme: _Nvme
@@ -366,6 +396,7 @@ class TiersSection(TypedDict):
     dram_ratio: _Share
     hbm_rows: PositiveCount
     freqcache_slots: PositiveCount | None
+    freqcache_cache_rows: NotRequired[Count | None]
     dram_pages: PositiveCount
     rows: PositiveCount
     pages: PositiveCount
@@ -433,8 +464,9 @@ def tiers_table(section: dict, title: str = "stream") -> Table:
                         f"{100 * s['dram_ratio']:g}% of pages ({s['dram_pages']:,} of {s['pages']:,}, "
                         f"{s['rows_per_page']} rows of {s['row_bytes']} B a page), per batch "
                         f"({s['counted_steps']} after {s['warmup_steps']})")
-    for name in ("HBM", "hit", "host", "hit all / reaching", "drive reads", "writes", "read", "written", "read amp"):
-        table.add_column(name, justify="left" if name in ("HBM", "host") else "right")
+    for name in ("HBM", "hit", "host", "file", "hit all / reaching", "drive reads", "writes", "read", "written",
+                 "read amp"):
+        table.add_column(name, justify="left" if name in ("HBM", "host", "file") else "right")
     if s["iops"]:
         table.add_column(f"reads take @ {_number(s['iops'])}/s", justify="right")
     if s["step_ms"]:
@@ -443,7 +475,7 @@ def tiers_table(section: dict, title: str = "stream") -> Table:
         hbm, dram, nvme = e["hbm"], e["dram"], e["nvme"]
         amp = nvme["read_amplification"]
         cells = [e["hbm_policy"], f"{_percent(hbm['hit_rate'])} / {_percent(hbm['unique_hit_rate'])}", e["dram_policy"],
-                 f"{_percent(dram['hit_rate'])} / {_percent(dram['conditional_hit_rate'])}",
+                 e.get("layout", "id"), f"{_percent(dram['hit_rate'])} / {_percent(dram['conditional_hit_rate'])}",
                  _number(nvme["pages_read_per_step"]), _number(nvme["pages_written_per_step"]),
                  format_bytes(nvme["bytes_read_per_step"]), format_bytes(nvme["bytes_written_per_step"]),
                  "-" if amp is None else f"{_two(amp)}x"]
@@ -453,10 +485,13 @@ def tiers_table(section: dict, title: str = "stream") -> Table:
             ratio = nvme["step_ratio"]
             cells.append(f"{_two(ratio)}x " + ("keeps up" if ratio <= 1 else "too slow"))
         table.add_row(*cells)
-    staged = (f" (freqcache: also rows staged by the batch before; with its staging slots it holds {s['freqcache_slots']:,} "
-              "rows)") if s.get("freqcache_slots") else ""
+    staged = (f" (freqcache: {s['freqcache_cache_rows']:,} cached rows and its staging slots for two batches, "
+              f"{s['freqcache_slots']:,} rows in all: the HBM share)") if s.get("freqcache_cache_rows") else \
+        (f" (freqcache: also rows staged by the batch before; with its staging slots it holds {s['freqcache_slots']:,} "
+         "rows)") if s.get("freqcache_slots") else ""
     table.caption = (f"HBM hit: per access / per distinct row, served without a read from host memory{staged}. Host hit: per access of all / of those reaching host "
                      "memory. Drive: 4 KiB pages read (host misses, and pages read to merge a written row) and "
-                     "written (dirty pages leaving) a batch; read amp: bytes read over the needed rows' bytes"
+                     "written (dirty pages leaving) a batch; read amp: bytes read over the needed rows' bytes; file: rows "
+                     "in pages in id order, or the profile's most used rows first"
                      + ("; a batch's reads at the drive's rate, issued with enough in flight" if s["iops"] else ""))
     return table

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from embbench.disk.layout import PAGE
-from embbench.disk.reader import Reader, TransferError, get_reader
+from embbench.disk.reader import Engine, Reader, Ticket, TransferError, get_reader
 
-__all__ = ["DirectIOError", "Mount", "PageFile", "aligned_pages", "ensure_space", "mount_of"]
+__all__ = ["DirectIOError", "Mount", "PageFile", "Transfer", "aligned_pages", "ensure_space", "mount_of"]
 
 #: File systems whose files live in memory: O_DIRECT there measures memory, not a drive.
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
@@ -203,6 +203,23 @@ class PageFile:
         """Writes ``data[i]`` to page ``pages[i]`` for each i (no page twice in one call)."""
         self._transfer(pages, data, write=True)
 
+    def submit(self, engine: Engine, pages: np.ndarray, buf: np.ndarray, buf_pages: np.ndarray, write: bool,
+               urgent: bool = False) -> "Transfer":
+        """Queues, on ``engine``'s threads, page ``pages[i]`` to (or from) page ``buf_pages[i]``
+        of ``buf`` for each i, and returns at once; :meth:`Transfer.wait` raises an error naming
+        the file and the page. The caller keeps ``buf``'s pages untouched until then."""
+        fd = self.fileno()
+        pages = self._checked(pages, None, write)
+        buf_pages = np.ascontiguousarray(buf_pages, dtype=np.int64)
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 2 or buf.shape[1] != PAGE \
+                or not buf.flags.c_contiguous or not (write or buf.flags.writeable):
+            raise ValueError(f"{self.path}: the buffer must be C-contiguous, writeable uint8 [n, {PAGE}]")
+        if buf_pages.shape != pages.shape or (len(buf_pages) and (buf_pages.min() < 0 or buf_pages.max() >= len(buf))):
+            raise ValueError(f"{self.path}: buffer pages must be one per page and within the buffer's {len(buf)}")
+        if self.direct and len(pages) and buf.ctypes.data % PAGE:
+            raise ValueError(f"{self.path}: the buffer is not {PAGE}-byte aligned, as O_DIRECT needs")
+        return Transfer(self, engine.submit(fd, pages, buf, buf_pages, write, urgent), pages, write)
+
     def _transfer(self, pages: np.ndarray, buf: np.ndarray, write: bool) -> None:
         fd = self.fileno()
         pages = self._checked(pages, buf, write)
@@ -211,12 +228,14 @@ class PageFile:
         except TransferError as error:
             raise self._failure(error, pages, write) from None
 
-    def _checked(self, pages: np.ndarray, buf: np.ndarray, write: bool) -> np.ndarray:
+    def _checked(self, pages: np.ndarray, buf: np.ndarray | None, write: bool) -> np.ndarray:
         what = "data" if write else "out"
         pages = np.asarray(pages)
         if pages.ndim != 1 or not (np.issubdtype(pages.dtype, np.integer) or pages.size == 0):
             raise ValueError(f"{self.path}: pages must be a 1-D integer array, got {pages.dtype} {pages.shape}")
         pages = np.ascontiguousarray(pages, dtype=np.int64)
+        if buf is None:  # (submit checks its buffer itself)
+            return self._checked_pages(pages, write)
         if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.shape != (len(pages), PAGE):
             got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
             raise ValueError(f"{self.path}: {what} must be uint8 [{len(pages)}, {PAGE}] (one page per page "
@@ -226,6 +245,9 @@ class PageFile:
         if self.direct and len(pages) and buf.ctypes.data % PAGE:
             raise ValueError(f"{self.path}: {what} is not {PAGE}-byte aligned, as O_DIRECT needs "
                              "(allocate it with aligned_pages)")
+        return self._checked_pages(pages, write)
+
+    def _checked_pages(self, pages: np.ndarray, write: bool) -> np.ndarray:
         if len(pages):
             bad = pages[(pages < 0) | (pages >= self.pages)]
             if len(bad):
@@ -262,6 +284,23 @@ class PageFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Transfer:
+    """Pages queued by :meth:`PageFile.submit`: :meth:`done`, or :meth:`wait` for them (an error
+    names the file and the page)."""
+
+    def __init__(self, file: PageFile, ticket: Ticket, pages: np.ndarray, write: bool):
+        self._file, self._ticket, self._pages, self._write = file, ticket, pages, write
+
+    def done(self) -> bool:
+        return self._ticket.done()
+
+    def wait(self) -> None:
+        try:
+            self._ticket.wait()
+        except TransferError as error:
+            raise self._file._failure(error, self._pages, self._write) from None
 
 
 def _direct_problem(path: Path, fd: int, size: int, mount: Mount) -> str | None:

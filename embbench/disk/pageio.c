@@ -9,6 +9,8 @@
  * Both return 0, an errno, or -1 for a short transfer (end of file); `*fail_index` is then the
  * lowest failed index in `pages` and `*fail_done` the bytes that page did get. They keep no
  * state between calls, so several threads may call them at once.
+ *
+ * pageio_engine_*: a pool that lives across calls, for a reader kept busy by many callers (below).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -16,7 +18,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+/* The engine's unit: the file store's pages (embbench/disk/layout.py's PAGE). */
+#define PAGEIO_PAGE 4096
 
 struct failure {
     pthread_mutex_t lock;
@@ -106,6 +112,239 @@ int pageio_threads(int fd, int is_write, const int64_t *pages, int64_t count, ui
         pthread_join(helpers[t], NULL);
     free(helpers);
     return finish(&job.failure, fail_index, fail_done);
+}
+
+/* ---- The engine: a pool of threads that lives across calls (the file store's reads ahead).
+ *
+ * pageio_engine_submit queues requests (each a page of a file and the address of its buffer:
+ * reads go straight to where the caller wants them, no staging copy) and returns a ticket at
+ * once; the pool's threads take requests in queue order, so requests of successive submissions
+ * stay in flight together. An urgent submission goes to the queue's front (a read the caller
+ * waits for now). pageio_ticket_wait blocks until a ticket's requests are all done and returns
+ * 0, an errno or -1 (short transfer) with the lowest failed request's index; pageio_ticket_free
+ * frees it (once done). pageio_engine_stats gives the time the pool had a request in flight
+ * and the pages read and written, so that reads a second *while reading* can be told apart from
+ * reads a second of the whole run. */
+
+struct ticket {
+    int64_t remaining;
+    int code;
+    int64_t index;
+    int64_t done;
+};
+
+struct request {
+    int fd;
+    int is_write;
+    int64_t offset;
+    uint8_t *buf;
+    struct ticket *ticket;
+    int64_t index;
+};
+
+struct engine {
+    pthread_mutex_t lock;
+    pthread_cond_t work, finished;
+    struct request *queue;
+    int64_t cap, head, count;
+    int stopping, threads;
+    pthread_t *workers;
+    int64_t in_flight, busy_ns, busy_since, reads, writes;
+};
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void *engine_worker(void *arg)
+{
+    struct engine *e = arg;
+    pthread_mutex_lock(&e->lock);
+    for (;;) {
+        while (e->count == 0 && !e->stopping)
+            pthread_cond_wait(&e->work, &e->lock);
+        if (e->count == 0)
+            break;
+        struct request r = e->queue[e->head];
+        e->head = (e->head + 1) % e->cap;
+        e->count--;
+        if (e->in_flight++ == 0)
+            e->busy_since = now_ns();
+        pthread_mutex_unlock(&e->lock);
+        int code = 0;
+        int64_t done = 0;
+        while (done < PAGEIO_PAGE) {
+            ssize_t n = r.is_write ? pwrite(r.fd, r.buf + done, PAGEIO_PAGE - done, r.offset + done)
+                                   : pread(r.fd, r.buf + done, PAGEIO_PAGE - done, r.offset + done);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0) {
+                code = n < 0 ? errno : -1;
+                break;
+            }
+            done += n;
+        }
+        pthread_mutex_lock(&e->lock);
+        if (--e->in_flight == 0)
+            e->busy_ns += now_ns() - e->busy_since;
+        if (r.is_write)
+            e->writes++;
+        else
+            e->reads++;
+        struct ticket *t = r.ticket;
+        if (code != 0 && (t->code == 0 || r.index < t->index)) {
+            t->code = code;
+            t->index = r.index;
+            t->done = done;
+        }
+        if (--t->remaining == 0)
+            pthread_cond_broadcast(&e->finished);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+
+void *pageio_engine_open(int threads)
+{
+    struct engine *e = calloc(1, sizeof *e);
+    if (e == NULL)
+        return NULL;
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->work, NULL);
+    pthread_cond_init(&e->finished, NULL);
+    e->cap = 1024;
+    e->queue = calloc(e->cap, sizeof *e->queue);
+    e->workers = calloc(threads > 0 ? threads : 1, sizeof(pthread_t));
+    if (e->queue == NULL || e->workers == NULL) {
+        free(e->queue);
+        free(e->workers);
+        free(e);
+        return NULL;
+    }
+    for (; e->threads < threads; e->threads++)
+        if (pthread_create(&e->workers[e->threads], NULL, engine_worker, e) != 0)
+            break;
+    if (e->threads == 0) {
+        free(e->queue);
+        free(e->workers);
+        free(e);
+        return NULL;
+    }
+    return e;
+}
+
+int pageio_engine_threads(void *handle) { return ((struct engine *)handle)->threads; }
+
+/* Queues `count` requests: page pages[i] of fd to or from the page at bufs[i]. NULL if out of memory. */
+void *pageio_engine_submit(void *handle, int fd, int is_write, const int64_t *pages, const uint64_t *bufs,
+                           int64_t count, int urgent)
+{
+    struct engine *e = handle;
+    struct ticket *t = calloc(1, sizeof *t);
+    if (t == NULL)
+        return NULL;
+    t->remaining = count;
+    t->index = -1;
+    pthread_mutex_lock(&e->lock);
+    if (e->count + count > e->cap) {
+        int64_t cap = e->cap;
+        while (cap < e->count + count)
+            cap *= 2;
+        struct request *q = malloc(cap * sizeof *q);
+        if (q == NULL) {
+            pthread_mutex_unlock(&e->lock);
+            free(t);
+            return NULL;
+        }
+        for (int64_t i = 0; i < e->count; i++)
+            q[i] = e->queue[(e->head + i) % e->cap];
+        free(e->queue);
+        e->queue = q;
+        e->cap = cap;
+        e->head = 0;
+    }
+    for (int64_t k = 0; k < count; k++) {
+        int64_t i = urgent ? count - 1 - k : k; /* urgent: pushed to the front, last first, so in order */
+        struct request r = {fd, is_write, pages[i] * PAGEIO_PAGE, (uint8_t *)(uintptr_t)bufs[i], t, i};
+        if (urgent) {
+            e->head = (e->head + e->cap - 1) % e->cap;
+            e->queue[e->head] = r;
+        } else {
+            e->queue[(e->head + e->count) % e->cap] = r;
+        }
+        e->count++;
+    }
+    pthread_cond_broadcast(&e->work);
+    pthread_mutex_unlock(&e->lock);
+    return t;
+}
+
+int pageio_ticket_done(void *handle, void *ticket)
+{
+    struct engine *e = handle;
+    pthread_mutex_lock(&e->lock);
+    int done = ((struct ticket *)ticket)->remaining == 0;
+    pthread_mutex_unlock(&e->lock);
+    return done;
+}
+
+int pageio_ticket_wait(void *handle, void *ticket, int64_t *fail_index, int64_t *fail_done)
+{
+    struct engine *e = handle;
+    struct ticket *t = ticket;
+    pthread_mutex_lock(&e->lock);
+    while (t->remaining > 0)
+        pthread_cond_wait(&e->finished, &e->lock);
+    int code = t->code;
+    *fail_index = t->index;
+    *fail_done = t->done;
+    pthread_mutex_unlock(&e->lock);
+    return code;
+}
+
+/* A finished ticket's outcome, without the engine (after pageio_engine_close, which finishes all). */
+int pageio_ticket_result(void *ticket, int64_t *fail_index, int64_t *fail_done)
+{
+    struct ticket *t = ticket;
+    *fail_index = t->index;
+    *fail_done = t->done;
+    return t->code;
+}
+
+void pageio_ticket_free(void *ticket) { free(ticket); }
+
+/* out[0]: nanoseconds with a request in flight (the current stretch included), out[1]: pages
+ * read, out[2]: pages written, out[3]: requests queued or in flight now. */
+void pageio_engine_stats(void *handle, int64_t *out)
+{
+    struct engine *e = handle;
+    pthread_mutex_lock(&e->lock);
+    out[0] = e->busy_ns + (e->in_flight ? now_ns() - e->busy_since : 0);
+    out[1] = e->reads;
+    out[2] = e->writes;
+    out[3] = e->count + e->in_flight;
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* Ends the threads once every queued request is done, and frees the engine. */
+void pageio_engine_close(void *handle)
+{
+    struct engine *e = handle;
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    pthread_cond_broadcast(&e->work);
+    pthread_mutex_unlock(&e->lock);
+    for (int i = 0; i < e->threads; i++)
+        pthread_join(e->workers[i], NULL);
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->work);
+    pthread_cond_destroy(&e->finished);
+    free(e->queue);
+    free(e->workers);
+    free(e);
 }
 
 #if defined(__has_include)

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from embbench.disk.layout import PAGE
 
-__all__ = ["DEFAULT_DEPTH", "ENGINES", "Reader", "TransferError", "get_reader", "native_library"]
+__all__ = ["DEFAULT_DEPTH", "ENGINES", "Engine", "Reader", "Ticket", "TransferError", "get_reader", "native_library"]
 
 #: Requests in flight by default: enough for a SATA/NVMe drive's queue to work in parallel.
 DEFAULT_DEPTH = 16
@@ -239,3 +240,227 @@ def get_reader(threads: int = DEFAULT_DEPTH, engine: str = "pread") -> Reader:
         if key not in _readers:
             _readers[key] = Reader(chosen, threads, lib, why)
         return _readers[key]
+
+
+class Ticket:
+    """A submission to an :class:`Engine`: :meth:`done` without waiting, :meth:`wait` until all
+    of its pages are transferred (raising TransferError for the lowest failed one)."""
+
+    def __init__(self, engine: "Engine", handle, keep=None):
+        self._engine, self._handle, self._keep = engine, handle, keep  # keep: buffers alive until done
+        self._outcome: tuple[int, int, int] | None = None
+        # One thread at a time asks the engine (the first to wait frees the native ticket: a
+        # second waiting on it at once would wait on freed memory, for ever).
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        if self._outcome is not None:
+            return True
+        if not self._lock.acquire(blocking=False):  # another thread is waiting for it: not known done
+            return False
+        try:
+            return self._outcome is not None or self._engine._poll(self._handle)
+        finally:
+            self._lock.release()
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._engine._wait(self._handle)
+                self._keep = None
+        code, index, done = self._outcome
+        if code != 0:
+            raise TransferError(max(code, 0), index, done)
+
+    def __del__(self):
+        if self._outcome is None and self._handle is not None:
+            try:
+                self.wait()
+            except Exception:  # (a failure nobody waited for: the file is closing anyway)
+                pass
+
+
+class Engine:
+    """Threads that live across calls and keep the pages of many submissions in flight (the file
+    store's reads ahead; issue 48). :meth:`submit` queues transfers between pages of a file and
+    pages of a buffer (``buf[buf_pages[i]]``: reads land where the caller wants them, no staging
+    copy) and returns a :class:`Ticket` at once; an ``urgent`` submission goes to the queue's
+    front. :meth:`stats` says how long a transfer was in flight (``busy_ns``), and the pages read
+    and written, so that reads a second while reading can be measured. Native (``pageio.c``)
+    where the library loads, else a Python pool of ``os.preadv`` that says so in ``name``."""
+
+    def __init__(self, threads: int):
+        if threads < 1:
+            raise ValueError(f"engine threads {threads}: must be at least 1")
+        lib, why = native_library()
+        self._lib = _engine_functions(lib) if lib is not None else None
+        self._handle = self._lib.pageio_engine_open(threads) if self._lib is not None else None
+        if self._lib is not None and not self._handle:
+            self._lib, why = None, "the native engine could not start its threads"
+        elif lib is not None and self._lib is None:
+            why = "the library has no engine"
+        self.threads = threads if self._handle is None else self._lib.pageio_engine_threads(self._handle)
+        self.name = (f"native pread engine, {self.threads} threads" if self._handle is not None else
+                     f"python preadv engine, {threads} threads ({why})")
+        if self._handle is None:
+            self._py = _PythonEngine(threads)
+
+    def submit(self, fd: int, pages: np.ndarray, buf: np.ndarray, buf_pages: np.ndarray, write: bool,
+               urgent: bool = False) -> Ticket:
+        """Transfer page ``pages[i]`` of ``fd`` to (or, ``write``, from) page ``buf_pages[i]`` of
+        ``buf`` (uint8 ``[n, PAGE]``, C-contiguous) for each i. The caller checks bounds (PageFile
+        does) and keeps ``buf`` alive; the ticket keeps it too."""
+        pages = np.ascontiguousarray(pages, dtype=np.int64)
+        if self._lib is None:
+            return self._py.submit(self, fd, pages, buf, np.asarray(buf_pages, dtype=np.int64), write, urgent)
+        if self._handle is None:
+            raise ValueError("the reader's engine is closed")
+        addresses = np.ascontiguousarray(buf.ctypes.data + np.asarray(buf_pages, dtype=np.uint64) * PAGE, dtype=np.uint64)
+        handle = self._lib.pageio_engine_submit(self._handle, fd, int(write), pages.ctypes.data,
+                                                addresses.ctypes.data, len(pages), int(urgent))
+        if not handle:
+            raise MemoryError("the reader's engine could not queue the transfers (out of memory)")
+        return Ticket(self, handle, keep=buf)
+
+    def stats(self) -> dict[str, int]:
+        """``busy_ns`` (a transfer in flight), ``pages_read``, ``pages_written``, ``pending``."""
+        if self._lib is None:
+            return self._py.stats()
+        if self._handle is None:
+            raise ValueError("the reader's engine is closed")
+        out = (ctypes.c_int64 * 4)()
+        self._lib.pageio_engine_stats(self._handle, out)
+        return {"busy_ns": out[0], "pages_read": out[1], "pages_written": out[2], "pending": out[3]}
+
+    def close(self) -> None:
+        """Finish what is queued and end the threads; safe to call twice (tickets stay readable)."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.pageio_engine_close(handle)
+        elif self._lib is None:
+            self._py.close()
+
+    def _poll(self, handle) -> bool:
+        if self._lib is None:
+            return handle.done()
+        return bool(self._lib.pageio_ticket_done(self._handle, handle)) if self._handle else True
+
+    def _wait(self, handle) -> tuple[int, int, int]:
+        if self._lib is None:
+            return handle.result()
+        index, done = ctypes.c_int64(-1), ctypes.c_int64(0)
+        if self._handle:
+            code = self._lib.pageio_ticket_wait(self._handle, handle, ctypes.byref(index), ctypes.byref(done))
+        else:  # closed: its threads finished every request before they ended
+            code = self._lib.pageio_ticket_result(handle, ctypes.byref(index), ctypes.byref(done))
+        self._lib.pageio_ticket_free(handle)
+        return code, index.value, done.value
+
+
+def _engine_functions(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    """The engine's functions of the library, typed (None: a library without them)."""
+    p, i64, ptr = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+    signatures = {"pageio_engine_open": ([ctypes.c_int], p), "pageio_engine_threads": ([p], ctypes.c_int),
+                  "pageio_engine_submit": ([p, ctypes.c_int, ctypes.c_int, p, p, i64, ctypes.c_int], p),
+                  "pageio_ticket_done": ([p, p], ctypes.c_int),
+                  "pageio_ticket_wait": ([p, p, ptr, ptr], ctypes.c_int), "pageio_ticket_free": ([p], None),
+                  "pageio_ticket_result": ([p, ptr, ptr], ctypes.c_int),
+                  "pageio_engine_stats": ([p, ptr], None), "pageio_engine_close": ([p], None)}
+    try:
+        for name, (args, result) in signatures.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    except AttributeError:
+        return None
+    return lib
+
+
+class _PythonEngine:
+    """The engine without the native library: a pool of threads doing ``os.preadv``. An urgent
+    submission runs on the calling thread (nothing is ahead of it)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="embbench-engine")
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0
+        self._counts = {"busy_ns": 0, "pages_read": 0, "pages_written": 0, "pending": 0}
+
+    def submit(self, engine: Engine, fd, pages, buf, buf_pages, write, urgent) -> Ticket:
+        flat = memoryview(buf.reshape(-1))
+
+        def one(i: int) -> tuple[int, int, int]:
+            self._enter(1)
+            done = 0
+            try:
+                at = int(buf_pages[i]) * PAGE
+                while done < PAGE:
+                    part = [flat[at + done:at + PAGE]]
+                    offset = int(pages[i]) * PAGE + done
+                    n = os.pwritev(fd, part, offset) if write else os.preadv(fd, part, offset)
+                    if n == 0:
+                        return (-1, i, done)
+                    done += n
+                return (0, -1, 0)
+            except OSError as error:
+                return (error.errno or 0, i, done)
+            finally:
+                self._leave(1, write)
+
+        chunks = [range(k, len(pages), self.threads) for k in range(min(self.threads, len(pages)))]
+
+        def run(chunk) -> tuple[int, int, int]:
+            outcomes = [one(i) for i in chunk]
+            failed = [o for o in outcomes if o[0] != 0]
+            return min(failed, key=lambda o: o[1]) if failed else (0, -1, 0)
+
+        if urgent:
+            results = [run(chunk) for chunk in chunks]
+            future = _Done(results)
+        else:
+            future = _Gathered([self._pool.submit(run, chunk) for chunk in chunks])
+        return Ticket(engine, future, keep=buf)
+
+    def _enter(self, n: int) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter_ns()
+            self._in_flight += n
+
+    def _leave(self, n: int, write: bool) -> None:
+        with self._lock:
+            self._in_flight -= n
+            if self._in_flight == 0:
+                self._counts["busy_ns"] += time.perf_counter_ns() - self._since
+            self._counts["pages_written" if write else "pages_read"] += n
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _Gathered:
+    def __init__(self, futures):
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> tuple[int, int, int]:
+        failed = [o for o in (f.result() for f in self._futures) if o[0] != 0]
+        return min(failed, key=lambda o: o[1]) if failed else (0, -1, 0)
+
+
+class _Done(_Gathered):
+    def __init__(self, outcomes):
+        self._outcomes = outcomes
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[int, int, int]:
+        failed = [o for o in self._outcomes if o[0] != 0]
+        return min(failed, key=lambda o: o[1]) if failed else (0, -1, 0)
