@@ -40,7 +40,7 @@ from embbench.plugin import (BackgroundWorker, BuildContext, MemoryFootprint, Ro
 
 __all__ = ["MixCache", "SfctrParams", "SfctrStrategy"]
 
-_COUNTER_NAMES = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted", "rows_evicted",
+_COUNTER_NAMES = ("accesses", "unique_accesses", "hits", "misses", "unique_misses", "rows_admitted", "rows_loaded", "rows_evicted",
                   "rows_written_back", "bytes_h2d", "bytes_d2h", "host_syncs", "pipeline_stalls", "host_plan_us", "host_wait_us")
 
 
@@ -158,7 +158,8 @@ class MixCache(SparseModule):
         if count:
             ids_hit = int(hit[inverse].sum())
             self._add(accesses=rows.numel(), unique_accesses=unique.numel(), hits=ids_hit, misses=rows.numel() - ids_hit,
-                      unique_misses=missing.numel(), rows_admitted=missing.numel(), rows_evicted=int(evicted.sum()),
+                      unique_misses=missing.numel(), rows_admitted=missing.numel(), rows_loaded=missing.numel(),
+                      rows_evicted=int(evicted.sum()),
                       rows_written_back=int(evicted.sum()), bytes_h2d=missing.numel() * self.row_bytes + virtual.numel() * 8,
                       bytes_d2h=int(evicted.sum()) * self.row_bytes,
                       host_plan_us=int((time.perf_counter() - start) * 1e6))

@@ -175,7 +175,8 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
         return part / whole if whole else None
 
     # a row found on the device is one not loaded (a miss may find its row in a staging slot)
-    loaded = c.get("bytes_h2d", 0) // max(1, row_bytes)
+    # (rows_loaded where a cache counts it: sfctr's bytes_h2d carries a batch's virtual ids too)
+    loaded = c["rows_loaded"] if "rows_loaded" in c else c.get("bytes_h2d", 0) // max(1, row_bytes)
     hbm_hits = reached - loaded
     tiers = [{"tier": "hbm", "hit_rate": share(hbm_hits, reached), "hit_rate_of_reaching": share(hbm_hits, reached),
               "hit_rate_per_access": share(c.get("hits", 0), c.get("accesses", 0)),

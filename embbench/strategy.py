@@ -47,6 +47,7 @@ COUNTERS = {
     "misses": "ids whose row had to be fetched into the cache",
     "unique_misses": "distinct rows fetched into the cache",
     "rows_admitted": "rows copied into the cache",
+    "rows_loaded": "rows read from the host into the cache (where bytes_h2d carries more than rows: sfctr's virtual ids)",
     "rows_evicted": "rows removed from the cache",
     "rows_written_back": "evicted or flushed rows that were updated, copied back to the host",
     "rows_moved_late": "cached rows evicted from a slot the running step still used: moved once it had ended",
