@@ -27,7 +27,7 @@ from embbench.columns import flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, compare_runs
 from embbench.optional import require
 from embbench.outputs import atomic_write, claim_output, head_has
-from embbench.results import RUN_CURVE
+from embbench.results import RUN_CURVE, counted_steps
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["cache_curve_figure", "check_writable", "hit_rates_figure", "pareto_figure", "pareto_front", "render_report",
@@ -224,7 +224,7 @@ def plot_per_rank(run: Run) -> list[str]:
         ranks = get(record.metrics, "per_rank")
         if record.status != "ok" or not ranks:
             continue
-        steps = record.metrics["measured_steps"]
+        steps = counted_steps(record.metrics)  # the steps the counters cover
         panels = [
             ("device MiB (static)", [r["memory"]["static_device_bytes"] / MiB for r in ranks]),
             ("host MiB (static + pinned)", [(r["memory"]["static_host_bytes"] + r["memory"]["pinned_bytes"]) / MiB for r in ranks]),

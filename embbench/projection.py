@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from embbench.data.presets import TableSpec
-from embbench.results import Record
+from embbench.results import Record, counted_steps
 from embbench.sharding import plan_table_wise
 
 __all__ = ["ASSUMPTIONS", "DEFAULT_LINKS_GBPS", "comm_bytes_per_rank", "measured_step_and_comm", "project",
@@ -65,7 +65,7 @@ def measured_step_and_comm(metrics: dict[str, Any]) -> tuple[float, float]:
     steps = metrics["measured_steps"]
     per_rank = metrics.get("per_rank") or [{"counters": metrics["counters"]["total"]}]
     busiest = max(per_rank, key=lambda r: r["counters"].get("comm_us", 0))
-    s0 = busiest["counters"].get("comm_us", 0) / 1e6 / steps
+    s0 = busiest["counters"].get("comm_us", 0) / 1e6 / counted_steps(metrics)  # the counters' own steps
     if "measured_seconds" in busiest:
         return busiest["measured_seconds"] / steps, s0
     return metrics["step_time_s"]["mean"], s0  # one rank, or a record older than measured_seconds

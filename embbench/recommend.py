@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from embbench.columns import flat_row, get, speed
+from embbench.columns import flat_rows, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
 from embbench.results import EVAL_DIR, Record, RecordError, read_eval_scores
@@ -95,6 +95,10 @@ class Candidate:
     not_judged: str | None = None
     #: the type its rows are stored in (``run.row_precision``)
     row_precision: str = "fp32"
+    #: its throughput over the baseline's, and over the fastest all-in-HBM cell's (named), or None
+    vs_baseline: float | None = None
+    vs_hbm: float | None = None
+    fastest_hbm_cell: str | None = None
 
 
 @dataclass
@@ -281,7 +285,7 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
     by more than ``auc_tolerance`` and beyond its sampling error (:func:`_auc_test`; a drop
     within it is a note, not a reason).
     """
-    rows = {r.cell_id: flat_row(r) for r in records}
+    rows = {row["cell_id"]: row for row in flat_rows(records)}  # with the speed ratios
     out = []
     for world in sorted({r.world_size for r in records}):
         mine = [r for r in records if r.world_size == world]
@@ -321,7 +325,9 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:
                 fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"],
-                                         row["auc"], flags=speed(r.metrics).flags, row_precision=r.row_precision))
+                                         row["auc"], flags=speed(r.metrics).flags, row_precision=r.row_precision,
+                                         vs_baseline=row.get("speedup"), vs_hbm=row.get("speedup_vs_hbm"),
+                                         fastest_hbm_cell=row.get("fastest_hbm_cell")))
         fitting.sort(key=lambda c: -c.throughput)
         if any(str(r.metrics.get("device", "")).startswith("cpu") for r in mine if r.metrics):
             rec.caveats.append("measured with the host CPU as the device: this ranks the cells of this machine, it "

@@ -22,7 +22,7 @@ from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, Positiv
 from embbench.inputs import not_regular, open_schema as _open, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
-__all__ = ["SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario", "load_records", "read_record",
+__all__ = ["SCHEMA_VERSION", "TIMED_INSTRUMENT_SHARE", "Instrument", "Metrics", "counted_steps", "Record", "RecordError", "Status", "by_scenario", "load_records", "read_record",
            "run_directory_lock", "scenario_differences", "schema_error", "write_record"]
 
 SCHEMA_VERSION = 1
@@ -117,11 +117,13 @@ class Accuracy(TypedDict):
 
 @_open
 class Counters(TypedDict):
-    """The strategy's counters over the measured steps (``total``) and per step, and the hit
-    rates derived from them (None: the strategy counts no hits)."""
+    """The strategy's counters over the counted steps (``steps``, [first, end), every instrument
+    on; records without it: the measured steps) in total and per step, and the hit rates derived
+    from them (None: the strategy counts no hits)."""
 
     total: dict[str, NonNegative]
     per_step: NotRequired[dict[str, NonNegative]]
+    steps: NotRequired[Annotated[tuple[Count, Count], AfterValidator(_ordered_interval)]]
     hit_rate: NotRequired[Rate | None]
     unique_hit_rate: NotRequired[Rate | None]
 
@@ -135,6 +137,31 @@ class Extra(TypedDict):
     window_hit_rate: NotRequired[Rate | None]
     window_unique_hit_rate: NotRequired[Rate | None]
     capacity_rows: NotRequired[Count | None]
+
+
+@_open
+class Instrument(TypedDict):
+    """One of the harness's instruments in a cell (:func:`embbench.metrics.instrument_costs`):
+    the training steps it ran in, [first, end), whether any was timed, and its cost measured in
+    the same run (the counted steps' median step less the timed steps')."""
+
+    name: str
+    what: str
+    steps: Annotated[tuple[Count, Count], AfterValidator(_ordered_interval)]
+    timed: bool
+    counted_step_s: NotRequired[Positive]
+    cost_s_per_step: NotRequired[Finite]
+    cost_share: NotRequired[Finite]
+
+
+#: An instrument that runs in timed steps may cost at most this share of the step (issue 47).
+TIMED_INSTRUMENT_SHARE = 0.01
+
+
+def counted_steps(metrics: dict[str, Any]) -> int:
+    """The steps a record's counters cover (records before the counted steps: the measured ones)."""
+    steps = (metrics.get("counters") or {}).get("steps")
+    return steps[1] - steps[0] if steps else metrics["measured_steps"]
 
 
 @_open
@@ -228,6 +255,8 @@ class Metrics(TypedDict):
     memory: Memory
     accuracy: NotRequired[Accuracy]
     counters: Counters
+    #: the harness's instruments (absent: records before they were named; [] none)
+    instruments: NotRequired[list[Instrument]]
     extra: NotRequired[Extra]
     per_rank: NotRequired[Annotated[list[RankMetrics], Field(min_length=1)] | None]  # None: one rank
     weights_file: NotRequired[str | None]
@@ -332,6 +361,13 @@ class Record(BaseModel):
             raise _record_error("metrics", "status ok without its measurements")
         if self.metrics is not None and not {"median", "mean"} & set(self.metrics["throughput"]):
             raise _record_error("metrics.throughput", "neither median nor mean")
+        for i, instrument in enumerate((self.metrics or {}).get("instruments") or []):
+            share = instrument.get("cost_share")
+            if instrument["timed"] and (share is None or share >= TIMED_INSTRUMENT_SHARE):
+                raise _record_error(f"metrics.instruments.{i}", f"{instrument['name']} ran in timed steps "
+                                    + ("without its measured cost" if share is None else
+                                       f"and cost {100 * share:.1f} % of the step (at most "
+                                       f"{100 * TIMED_INSTRUMENT_SHARE:.0f} %)"))
         if self.status != "ok" and self.metrics is not None:
             raise _record_error("metrics", f"measurements in a record of status {self.status} (only ok has them)")
         if self.status != "ok" and not (self.message or "").strip():

@@ -237,10 +237,18 @@ class RunConfig(_Strict):
     def row_precisions(self) -> list[str]:
         return self.row_precision if isinstance(self.row_precision, list) else [self.row_precision]
 
+    @property
+    def counted_steps(self) -> int:
+        """The steps after the timed ones whose counters the record reports, every instrument on
+        (one repeat's length: embbench.runner._counted_steps)."""
+        return self.steps
+
     def training_batches_read(self, profile: bool = True) -> int:
         """How many training batches a cell reads: the longest warm-up, every measured step, the
-        untimed steps that count operators (and profile), and the batch the last step prefetches."""
-        return self.warmup_bound + self.repeats * self.steps + OPS_STEPS + (PROFILE_STEPS if profile else 0) + 1
+        counted steps, the untimed steps that count operators (and profile), and the batch the
+        last step prefetches."""
+        return (self.warmup_bound + self.repeats * self.steps + self.counted_steps + OPS_STEPS
+                + (PROFILE_STEPS if profile else 0) + 1)
 
 
 class StrategyEntry(_Strict):

@@ -45,7 +45,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.weights import fill_in_parallel
 from embbench.disk.layout import PageLayout
 from embbench.disk.probe import measure_drive
-from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
+from embbench.embedding import WORK_INSTRUMENT, RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
 from embbench.row_precision import ROW_PRECISIONS, row_type
@@ -66,7 +66,8 @@ class FreqCacheParams(StrategyParams):
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
-    belady_steps: int = Field(64, ge=0, description="training steps recorded for the Belady bound (0: off)")
+    belady_steps: int = Field(64, ge=0, description="training batches recorded for the Belady bound, in the counted steps "
+                                                     "(never the timed ones; 0: off)")
     cuda_graph: bool = Field(True, description="on CUDA, replay the planner's steady-state step from a captured CUDA graph")
     compile: bool | Literal["auto"] = Field(
         "auto", description="compile the steady-state device steps (torch.compile: fused kernels instead of one kernel per "
@@ -225,9 +226,11 @@ class FreqCache(SparseModule):
         self._running: int | None = None  # the plan of the last forwarded batch
         self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
-        # The Belady window: the first belady_steps training batches after warm-up.
-        self._warmup_steps = ctx.warmup_steps
-        self._observed = 0
+        # The Belady window: the first belady_steps training batches planned in counted steps
+        # (set_counting: the harness's instrument, never in a timed step).
+        self._counting = False
+        self._observed = 0  # training batches planned so far
+        self._window_first: int | None = None  # the first recorded one
         self._recorder = _StreamRecorder(params.belady_steps, self.max_ids, self.device)
         self._window_start: dict[str, int] | None = None
         self._window_end: Tensor | None = None
@@ -505,18 +508,31 @@ class FreqCache(SparseModule):
         self._join_side()
 
     def _observe(self, rows: Tensor) -> bool:
-        """A training batch, about to be planned: the recorded stream for the Belady bound and
-        the counters at its window's start (copies, never a read on the host). Returns whether
-        this batch closes the window."""
-        step = self._observed
+        """A training batch, about to be planned: in counted steps, the recorded stream for the
+        Belady bound and the counters at its window's start (copies, never a read on the host).
+        Returns whether this batch closes the window."""
+        batch = self._observed
         self._observed += 1
-        start, stop = self._warmup_steps, self._warmup_steps + self.params.belady_steps
-        if not start <= step < stop:
+        recorded = len(self._recorder.lengths)
+        if not self._counting or recorded >= self.params.belady_steps:
             return False
         self._recorder.record(rows)
-        if step == start:
-            self._window_start = self.planner.counts.clone()
-        return step == stop - 1
+        if recorded == 0:
+            self._window_start, self._window_first = self.planner.counts.clone(), batch
+        return recorded + 1 == self.params.belady_steps
+
+    def instruments(self) -> dict[str, str]:
+        belady = {"belady_stream": "each planned training batch's rows copied to the host, for Belady's MIN "
+                                   f"(the first {self.params.belady_steps} batches planned in counted steps)"}
+        return {**WORK_INSTRUMENT, **(belady if self.params.belady_steps else {})}
+
+    def set_counting(self, mode) -> None:
+        self.store.counting = mode != "off"
+        counting = mode == "counted"
+        if self._counting and not counting and self._window_start is not None and self._window_end is None:
+            self._join_side()
+            self._window_end = self.planner.counts.clone()  # the window ends with the counted steps
+        self._counting = counting
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -596,7 +612,7 @@ class FreqCache(SparseModule):
             window_hit_rate=window["hits"] / max(1, window["accesses"]),
             window_unique_hit_rate=1 - window["unique_misses"] / max(1, window["unique_accesses"]),
             window_accesses=window["accesses"],
-            belady_window=[self._warmup_steps, self._warmup_steps + len(stream)],
+            belady_window=[self._window_first, self._window_first + len(stream)],  # training batches
         )
         return out
 
