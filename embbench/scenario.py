@@ -174,9 +174,10 @@ class RunConfig(_Strict):
         False, description="torch's deterministic algorithms: on CUDA, sums in a fixed order, so an exact strategy "
                            "trains bit for bit like the baseline; slower, for a correctness check, not a timing")
 
-    sparse_backward: Literal["auto", "padded", "unique"] = Field(
+    sparse_backward: Literal["auto", "padded", "padded_torch", "unique"] = Field(
         "auto", description="how strategies that update rows themselves sum a batch's row gradients: padded (a fixed "
-                            "shape, no host sync; on CUDA a kernel updates only the distinct rows), unique "
+                            "shape, no host sync; on CUDA a kernel updates only the distinct rows), padded_torch (the "
+                            "same shape, every entry updated by torch's scatters: the kernel's gain in one run), unique "
                             "(torch.unique: a host sync on CUDA) or auto (padded on CUDA, unique elsewhere)")
 
     row_precision: RowPrecision | list[RowPrecision] = Field(

@@ -159,7 +159,7 @@ class BuildContext:
             bf16, fp8; see :mod:`embbench.row_precision`); only ever one the strategy accepted
             (:meth:`Strategy.row_precision_reason`).
         seed: the scenario's seed (for a strategy's own random streams, e.g. stochastic rounding).
-        sparse_backward: ``run.sparse_backward`` (auto, padded, unique): how a store built from
+        sparse_backward: ``run.sparse_backward`` (auto, padded, padded_torch, unique): how a store built from
             :mod:`embbench.embedding` sums its row gradients; applied by :meth:`configure`.
         work_dir: a folder of this cell's own for files the strategy keeps (a row file), inside
             the run directory; the harness removes it when the cell ends, however it ends
@@ -182,8 +182,12 @@ class BuildContext:
 
     def configure(self, store) -> None:
         """Apply ``run.sparse_backward`` to an :class:`~embbench.embedding.RowStore` the
-        strategy built (auto leaves the store's own choice: padded on CUDA)."""
-        store.padded_aggregation = {"auto": None, "padded": True, "unique": False}[self.sparse_backward]
+        strategy built (auto leaves the store's own choice: padded on CUDA; padded_torch never
+        takes the update kernel)."""
+        store.padded_aggregation = {"auto": None, "padded": True, "padded_torch": True, "unique": False}[
+            self.sparse_backward]
+        if self.sparse_backward == "padded_torch":
+            store.update_kernel = False
 
 
 @dataclass
