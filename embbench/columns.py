@@ -72,7 +72,20 @@ def speed(metrics: dict[str, Any]) -> Speed:
         interval, noise = None, None
     else:
         interval, noise = summary.throughput(batch)[1], summary.noise
-    return Speed(step_s, batch / step_s, interval, list(medians), noise, flags(metrics.get("noise"), noise))
+    return Speed(step_s, batch / step_s, interval, list(medians), noise,
+                 flags(metrics.get("noise"), noise) + filling_flags(metrics))
+
+
+def filling_flags(metrics: dict[str, Any]) -> list[str]:
+    """``filling``: a cache timed while it still filled, so cheaper than in its steady state
+    (it loads without evicting or writing back): slots empty when timing started, or a miss
+    rate that had not settled (the runner's warm-up rule, :func:`embbench.runner._warm_up`)."""
+    empty = metrics.get("empty_slots_at_timing")
+    if empty:
+        return [f"filling: {empty:,} of its slots were empty when timing started"]
+    if metrics.get("warmup_steady") is False:
+        return [f"filling: its miss rate still fell after {metrics.get('warmup_steps_run')} warm-up steps"]
+    return []
 
 
 def device_need_bytes(memory: dict[str, Any]) -> int:
@@ -145,6 +158,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             "logloss": get(m, "accuracy", "logloss"),
             "train_loss_last10": get(m, "accuracy", "train_loss_last10"),
             "max_weight_diff_vs_baseline": m.get("max_weight_diff_vs_baseline"),
+            "max_weight_diff_vs_baseline_same_precision": m.get("max_weight_diff_vs_baseline_same_precision"),
             "row_bytes": m.get("row_bytes"),
             "max_weight_diff_vs_fp32": get(m, "weight_diff_vs_fp32", "max"),
             "mean_weight_diff_vs_fp32": get(m, "weight_diff_vs_fp32", "mean"),
@@ -152,6 +166,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             "generator_samples_per_s": m.get("generator_samples_per_s"),
             **instrument_columns(m),
             **{k: m[k] for k in ("ops_per_step", "host_syncs_per_step", "warmup_steps_run", "weights_not_compared",
+                                 "weights_not_compared_same_precision",
                                  "train_loss_last10_diff_vs_baseline", "logloss_diff_vs_baseline") if k in m},
             **{f"per_step.{k}": v for k, v in sorted((get(m, "counters", "per_step") or {}).items())},
             **tier_columns(m),
@@ -185,7 +200,12 @@ def instrument_columns(metrics: dict[str, Any]) -> dict[str, Any]:
 def tier_columns(metrics: dict[str, Any]) -> dict[str, Any]:
     """``metrics.tiers`` (:func:`embbench.metrics.memory_tiers`) as ``tier.<tier>.<field>``
     columns, the tiers in the record's order (the device's first)."""
-    return {f"tier.{t['tier']}.{k}": v for t in metrics.get("tiers") or [] for k, v in t.items() if k != "tier"}
+    tiers = {t["tier"]: dict(t) for t in metrics.get("tiers") or []}
+    if "nvme" in tiers and "dram" in tiers:  # records before issue 49 gave host memory the device's traffic
+        dram, nvme = tiers["dram"], tiers["nvme"]
+        dram.pop("rows_written_per_step", None)
+        dram.update({k: nvme.get(k) for k in ("rows_read_per_step", "bytes_read_per_step", "bytes_written_per_step")})
+    return {f"tier.{name}.{k}": v for name, t in tiers.items() for k, v in t.items() if k != "tier"}
 
 
 def tier_names(row: dict[str, Any]) -> list[str]:

@@ -42,8 +42,8 @@ from embbench.stats import interval_text, spread_text
 
 __all__ = [
     "ALPHA", "CANNOT_JUDGE", "METRICS", "TEST", "TIER_METRICS", "CellComparison", "Delta", "Metric", "Run",
-    "Significance", "TierMetric", "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs", "fp32_cell_id",
-    "judge", "load_runs", "parse_percent", "regressions", "repeat_test", "same_code_and_scenario", "tier_deltas",
+    "Significance", "TierMetric", "aa_floor_of", "aa_noise_floor", "cannot_judge", "compare_precisions", "compare_runs",
+    "fp32_cell_id", "judge", "load_runs", "parse_percent", "regressions", "repeat_test", "same_code_and_scenario", "tier_deltas",
     "to_json", "what_differs",
 ]
 
@@ -101,8 +101,8 @@ class TierMetric:
 
 #: The tier tables' columns after the cell and its tier, most important first (the label is the header).
 TIER_METRICS = [
-    TierMetric("tier_hit_rate", "hit_rate", "hit rate\n(all)", True),
-    TierMetric("hit_rate_of_reaching", "hit_rate_of_reaching", "hit rate\n(of reaching)", True),
+    TierMetric("tier_hit_rate", "hit_rate", "rows hit\n(all)", True),
+    TierMetric("hit_rate_of_reaching", "hit_rate_of_reaching", "rows hit\n(of reaching)", True),
     TierMetric("stall_seconds_per_step", "stall_seconds_per_step", "stall\na step", False),
     TierMetric("bytes_read_per_step", "bytes_read_per_step", "read\na step", False),
     TierMetric("bytes_written_per_step", "bytes_written_per_step", "written\na step", False),
@@ -241,9 +241,11 @@ def parse_percent(text: str) -> float:
 
 
 def repeat_test(before: dict[str, Any], after: dict[str, Any], alpha: float = ALPHA, threshold: float | None = None,
-                names: tuple[str, str] = ("A", "B")) -> Significance:
+                names: tuple[str, str] = ("A", "B"), aa_floor: float | None = None) -> Significance:
     """Two cells' repeats tested (Welch's t on the log of the repeat medians; see the module doc),
-    from their records' metrics, and judged at ``threshold`` (:func:`judge`).
+    from their records' metrics, and judged at ``threshold`` (:func:`judge`) and against the A/A
+    noise floor ``aa_floor`` (:func:`aa_floor_of`) where one is known: the one judgement of two
+    cells that compare, its gate, recommend and the report's verdict all read.
 
     Raises:
         MissingDependency: scipy is not installed.
@@ -253,7 +255,8 @@ def repeat_test(before: dict[str, Any], after: dict[str, Any], alpha: float = AL
     a, b = speed(before), speed(after)
     result = ratio_test(a.repeat_medians_s, b.repeat_medians_s)
     return judge(Significance(TEST, result.p_value, None, result.n_before, result.n_after, result.ratio,
-                              result.interval, a.noise, b.noise, a.flags, b.flags, alpha, names=names), threshold)
+                              result.interval, a.noise, b.noise, a.flags, b.flags, alpha, aa_floor=aa_floor,
+                              names=names), threshold)
 
 
 def judge(sig: Significance, threshold: float | None = None) -> Significance:
@@ -357,14 +360,28 @@ def compare_runs(runs: list[Run], alpha: float = ALPHA,
     if len(runs) < 2:
         raise ValueError("compare needs at least two runs")
     pairs = [(run, compare_records(runs[0].records, run.records, alpha, threshold)) for run in runs[1:]]
-    floor = max((abs(math.log(c.significance.ratio)) for run, cells in pairs if same_code_and_scenario(runs[0], run)
-                 for c in cells if c.comparable and c.significance), default=None)
+    floor = _floor(pairs, runs[0])
     if floor is not None:
         for _, cells in pairs:
             for cell in cells:
                 if cell.significance:
                     cell.significance = judge(replace(cell.significance, aa_floor=floor), threshold)
     return pairs
+
+
+def _floor(pairs: list[tuple[Run, list[CellComparison]]], baseline: Run) -> float | None:
+    """The largest ``|log(throughput ratio)|`` of a comparable cell over the pairs that are A/A."""
+    return max((abs(math.log(c.significance.ratio)) for run, cells in pairs if same_code_and_scenario(baseline, run)
+                for c in cells if c.comparable and c.significance), default=None)
+
+
+def aa_floor_of(runs: list[Run]) -> float | None:
+    """The A/A noise floor among ``runs`` as :func:`compare_runs` holds every cell to it: the
+    largest throughput change (``|log(ratio)|``) of a cell between the first run and a later one
+    that is the same code and scenario run again (:func:`same_code_and_scenario`); None where
+    no later run is. The report's verdict and ``recommend --noise-floor-from`` read it too."""
+    aa = [run for run in runs[1:] if same_code_and_scenario(runs[0], run)]
+    return _floor([(run, compare_records(runs[0].records, run.records)) for run in aa], runs[0]) if aa else None
 
 
 def regressions(cells: list[CellComparison], threshold: float, candidate: Run | None = None) -> list[str]:

@@ -12,7 +12,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
 from embbench.optim import EmbeddingOptimizer, aggregate_rows, aggregate_rows_padded
-from embbench.row_update import triton_problem, update_valid_rows
+from embbench.row_update import stepped_rows, triton_problem, update_valid_rounded_rows, update_valid_rows
 from embbench.row_precision import RowType, row_type, uniform_keyed
 
 __all__ = ["RoundedRowStore", "RowSpace", "RowStore", "WORK_COUNTERS", "WORK_INSTRUMENT", "per_sample", "pooled_lookup", "stored_rows",
@@ -105,8 +105,8 @@ class RowStore:
     #: unique elsewhere (fewer rows to update). Set it on a store to force one.
     padded_aggregation: bool | None = None
     #: Whether a fixed-shape backward updates its rows with the Triton kernel that skips the
-    #: padding (:mod:`embbench.row_update`); None: where it runs compiled (CUDA with Triton) and
-    #: the rows are float32. True on a CPU runs it in Triton's interpreter (the tests).
+    #: padding (:mod:`embbench.row_update`), in any row precision; None: where it runs compiled
+    #: (CUDA with Triton). True on a CPU runs it in Triton's interpreter (the tests).
     update_kernel: bool | None = None
     #: Whether a step adds its work to the counters (:data:`WORK_COUNTERS`): the harness's
     #: instrument (device adds and a search for the most ids on a row), off in timed steps
@@ -145,13 +145,13 @@ class RowStore:
                 self._count(len(unique), int(len(unique) > 0), ids.max() if len(ids) else 0)
             return
         agg = aggregate_rows_padded(rows, grads, count=self.counting)
+        if keys is not None:  # the key of each row: any of its ids' (a slot holds one row)
+            keys = torch.zeros_like(agg.rows).scatter_(0, agg.inverse, keys.to(agg.rows.dtype))
         if self._kernel_updates(rows.device):
-            update_valid_rows(self.optimizer, self.weights, self.state, agg.rows, agg.grads, agg.distinct)
+            self.update_valid(agg.rows, agg.grads, agg.rows if keys is None else keys, agg.distinct)
             if self.counting:
                 self._count(agg.distinct, 1, agg.ids_max_per_row)
             return
-        if keys is not None:  # the key of each row: any of its ids' (a slot holds one row)
-            keys = torch.zeros_like(agg.rows).scatter_(0, agg.inverse, keys.to(agg.rows.dtype))
         self.update_rows(agg.rows, agg.grads, agg.rows if keys is None else keys, agg.owner)
         # the padding repeats each row once per further id: as many entries on a row as it had ids
         if self.counting:
@@ -163,10 +163,15 @@ class RowStore:
         gradient each entry's row got; a padding entry's is +0.0)."""
         self.optimizer.update(self.weights, self.state, rows, grad)
 
+    def update_valid(self, rows: Tensor, grad: Tensor, keys: Tensor, distinct: Tensor) -> None:
+        """The kernel's step of the first ``distinct`` entries of a fixed-shape aggregation (the
+        rest are padding, skipped)."""
+        update_valid_rows(self.optimizer, self.weights, self.state, rows, grad, distinct)
+
     def _kernel_updates(self, device: torch.device) -> bool:
         if self.update_kernel is not None:
             return self.update_kernel
-        return type(self) is RowStore and self.weights.dtype == torch.float32 and triton_problem(device) is None
+        return triton_problem(device) is None
 
     def _count(self, *work: int | Tensor) -> None:
         """Add one step's work (WORK_COUNTERS' order) to the counters; a tensor stays on the
@@ -217,9 +222,8 @@ class RoundedRowStore(RowStore):
         return torch.nn.functional.embedding_bag(ids, self.rows32(rows), offsets, mode="sum", include_last_offset=True)
 
     def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, owner: Tensor | None = None) -> None:
-        weights, state = self.rows32(rows), self.state[rows]
-        local = torch.arange(rows.numel(), device=rows.device)
-        self.optimizer.update(weights, state, local, grad)
+        # the kernel's arithmetic (update_valid): the same stored bits either way
+        weights, state = stepped_rows(self.optimizer, self.rows32(rows), self.state[rows], grad)
         uniform = uniform_keyed(self.seed, self.updates, keys, weights.shape[1])
         self.updates += 1
         stored, scale = self.kind.encode(weights, uniform)
@@ -229,6 +233,11 @@ class RoundedRowStore(RowStore):
         self.state[rows] = state
         if scale is not None:
             self.extras[rows, :1] = scale
+
+    def update_valid(self, rows: Tensor, grad: Tensor, keys: Tensor, distinct: Tensor) -> None:
+        update_valid_rounded_rows(self.kind, self.optimizer, self.weights, self.extras, rows, keys, grad, distinct,
+                                  self.seed, self.updates)
+        self.updates += 1
 
 
 def whole_store(space: RowSpace, ctx, device: torch.device) -> RowStore:

@@ -31,6 +31,7 @@ holds that contention).
 from __future__ import annotations
 
 import functools
+import json
 import socket
 import statistics
 import time
@@ -114,17 +115,29 @@ def duration(seconds: float) -> str:
 # --- earlier records ------------------------------------------------------------------------------
 
 
-def _same_shape(record: Record, config: dict) -> bool:
+def _same_shape(record: Record, config: dict, smaller: bool = False) -> bool:
+    """Whether ``record`` ran ``config``'s shape (``smaller``: the same but at a smaller ``data.scale``)."""
     theirs = record.scenario.get("config") or {}
-    return (all(theirs.get(k) == config[k] for k in ("data", "model", "optimizer"))
+    data, mine = dict(theirs.get("data") or {}), dict(config["data"])
+    if smaller:
+        if not (isinstance(data.get("scale"), (int, float)) and data["scale"] < mine["scale"]):
+            return False
+        data["scale"] = mine["scale"]
+    return (data == mine and all(theirs.get(k) == config[k] for k in ("model", "optimizer"))
             and all((theirs.get("run") or {}).get(k) == config["run"][k] for k in _SHAPE_RUN_KEYS))
 
 
-def earlier_records(scenario: Scenario, directories: list[Path], device: torch.device) -> dict[str, tuple[Record, Path]]:
+def earlier_records(scenario: Scenario, directories: list[Path], device: torch.device,
+                    smaller: bool = False) -> dict[str, tuple[Record, Path]]:
     """The newest ``ok`` record of each cell id in ``directories`` (run directories) measured on
-    this host, on this kind of device, with this scenario's shape; with its directory."""
+    this host, on this kind of device, with this scenario's shape; with its directory.
+    ``smaller``: of the same shape at a smaller scale instead, the largest such scale."""
     config, host = scenario.model_dump(mode="json"), socket.gethostname()
     found: dict[str, tuple[Record, Path]] = {}
+
+    def rank(record: Record) -> tuple:
+        return ((record.scenario["config"]["data"]["scale"],) if smaller else ()) + (record.provenance.get("date", ""),)
+
     for directory in directories:
         try:
             records = load_records(directory, on_damaged=lambda e: None)
@@ -132,10 +145,10 @@ def earlier_records(scenario: Scenario, directories: list[Path], device: torch.d
             continue
         for record in records:
             if (record.status != "ok" or record.provenance.get("host") != host
-                    or not record.metrics["device"].startswith(device.type) or not _same_shape(record, config)):
+                    or not record.metrics["device"].startswith(device.type) or not _same_shape(record, config, smaller)):
                 continue
-            newest = found.get(record.cell_id)
-            if newest is None or record.provenance.get("date", "") > newest[0].provenance.get("date", ""):
+            best = found.get(record.cell_id)
+            if best is None or rank(record) > rank(best[0]):
                 found[record.cell_id] = (record, directory)
     return found
 
@@ -153,6 +166,18 @@ def _from_record(record: Record, directory: Path) -> StepCost:
     when = record.provenance.get("date", "an unknown date")[:10]
     return StepCost(step, batch, f"run {directory.name}",
                     f"the same cells and shape recorded in {directory} on this host, {when}", m.get("build_seconds"), start_up)
+
+
+def _at_least_as_slow(cost: StepCost, record: Record, directory: Path) -> StepCost:
+    """``cost`` raised to the step, batch, build and start-up of the same cell recorded here on
+    smaller tables (a floor: larger tables are no faster), named so where that record decides."""
+    measured = _from_record(record, directory)
+    if measured.step_s <= cost.step_s:
+        return cost
+    scale = record.scenario["config"]["data"]["scale"]
+    return StepCost(measured.step_s, max(cost.batch_s, measured.batch_s), f"scaled up from {measured.source}",
+                    f"the same cell recorded in {directory} on this host at --scale {scale:g}: a floor, larger "
+                    "tables are no faster", measured.build_s, measured.start_up_s)
 
 
 # --- this machine's rates -------------------------------------------------------------------------
@@ -284,7 +309,7 @@ def _fresh_cost(scenario: Scenario, tables: list[TableSpec], world_size: int, de
     local = scenario.data.batch_size // world_size
     shared = f"{world_size} rank(s) x {threads} thread(s) on {usable_cores()[0]} usable core(s)" + (
         f": x{stretch:.1f}" if stretch > 1 else "")
-    key = (world_size, threads)
+    key = (_step_shape(scenario), world_size, threads, device.type)
     if key not in calibrations:
         rough = _rough_step(scenario, tables, local, threads) if device.type == "cpu" else 0.0
         # a warm-up and one timed step at least; the rough floor is optimistic (criteo_8gpu at scale
@@ -306,6 +331,20 @@ def _fresh_cost(scenario: Scenario, tables: list[TableSpec], world_size: int, de
     return calibrations[key]
 
 
+def _step_shape(scenario: Scenario) -> str:
+    """What a calibrated or rough step depends on: the scenario's shape without the tables' sizes
+    (``data.scale``) or the run's counts. Two estimates of one shape share one calibration, so
+    that ``--scale`` (or ``--steps``) alone moves only what it changes: the build grows with the
+    tables, and a busy moment of the machine cannot make smaller tables look slower."""
+    config = scenario.model_dump(mode="json")
+    return json.dumps([{**config["data"], "scale": None}, config["model"], config["optimizer"],
+                       [config["run"][k] for k in _SHAPE_RUN_KEYS]], sort_keys=True)
+
+
+#: Calibrated and rough steps of this process, by (:func:`_step_shape`, ranks, threads, device type).
+_CALIBRATIONS: dict = {}
+
+
 def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], device: torch.device,
                bytes_to_fill: Callable[[Cell], int | None]) -> list[CellTime]:
     """Each cell's estimated wall time here (:mod:`embbench.estimate`'s model).
@@ -318,18 +357,20 @@ def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], devi
     trained = run.warmup_bound + run.repeats * run.steps + run.counted_steps + OPS_STEPS
     evaluated = eval_batches(scenario.data, run)
     earlier = earlier_records(scenario, run_dirs, device)
-    calibrations: dict = {}
+    smaller = earlier_records(scenario, run_dirs, device, smaller=True)
     times = []
     for cell in cells:
         if cell.id in earlier:
             cost = _from_record(*earlier[cell.id])
         else:
-            cost = _fresh_cost(scenario, tables, cell.world_size, device, calibrations)
+            cost = _fresh_cost(scenario, tables, cell.world_size, device, _CALIBRATIONS)
+            if cell.id in smaller:  # larger tables are no faster than the same cell measured on smaller ones
+                cost = _at_least_as_slow(cost, *smaller[cell.id])
         build = cost.build_s
-        if build is None:
+        if build is None or cell.id not in earlier:  # measured on smaller tables: at least its build
             filled = bytes_to_fill(cell)
             filled = sum(t.num_bytes for t in tables) if filled is None else filled
-            build = filled / (fill_rate(tables[0].dim) * usable_cores()[0])
+            build = max(build or 0.0, filled / (fill_rate(tables[0].dim) * usable_cores()[0]))
         start_up = START_UP_S["cuda" if device.type == "cuda" else "cpu"] if cost.start_up_s is None else cost.start_up_s
         steps = _steps_seconds(cost.step_s, cost.batch_s, trained, evaluated)
         times.append(CellTime(cell.id, start_up + build + steps, start_up, build, steps, cost.source, cost.detail))

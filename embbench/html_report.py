@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,10 +25,11 @@ from typing import Any
 from rich.console import Console
 
 from embbench.columns import flat_row, get, gpu_names
-from embbench.compare import ALPHA, TEST, Run, compare_runs
+from embbench.compare import ALPHA, TEST, Run, aa_floor_of, compare_runs
 from embbench.optional import require
 from embbench.outputs import atomic_write, claim_output, head_has
 from embbench.results import RUN_CURVE, counted_steps
+from embbench.stats import spread_text
 from embbench.table_view import SORT_SCRIPT, html_table
 
 __all__ = ["cache_curve_figure", "check_writable", "hit_rates_figure", "pareto_figure", "pareto_front", "render_report",
@@ -76,6 +78,12 @@ def strategy_colours(runs: list[Run]) -> dict[str, Any]:
 def _busy(row: dict[str, Any]) -> bool:
     """Whether a cell was timed on a busy machine (its ``busy!`` flag)."""
     return any(flag.startswith("busy") for flag in (row.get("flags") or "").split("; "))
+
+
+def _marks(row: dict[str, Any]) -> str:
+    """A cell label's marks: `` busy!`` (a busy machine), `` filling!`` (a cache timed while it filled)."""
+    flags = (row.get("flags") or "").split("; ")
+    return "".join(f" {kind}!" for kind in ("busy", "filling") if any(f.startswith(kind) for f in flags))
 
 
 def _log_axis(ax, which: str) -> None:
@@ -139,14 +147,20 @@ def pareto_figure(run: Run, colours: dict[str, Any]):
     if any(map(_busy, rows)):
         handles.append(plt.Line2D([], [], ls="none", marker="X", color="0.3"))
         labels.append("busy!: timed on a busy machine")
+    if any(_marks(r).endswith("filling!") for r in rows):
+        handles.append(plt.Line2D([], [], ls="none"))
+        labels.append("filling!: a cache timed while it still filled")
     _legend_below(fig, handles, labels)
     order = front + [i for i in range(len(rows)) if i not in front]  # the front's labels nearest their points
     place_labels(ax, [points[i] for i in order],
-                 [rows[i]["cell_id"] + (" busy!" if _busy(rows[i]) else "") for i in order])
+                 [rows[i]["cell_id"] + _marks(rows[i]) for i in order])
     return fig
 
 
 #: The hit-rate plot's quantities: a line style and a marker each (a family's is its colour).
+#: Each later run's cache ratios drawn this factor further right on the log axis (4 %): two runs
+#: with the same figures would otherwise draw one over the other.
+RUN_NUDGE = 1.04
 _HIT_RATES = [("hit_rate", "-", "o", "hit rate"), ("belady_hit_rate", "--", "x", "Belady's bound"),
               ("unique_hit_rate", ":", "s", "per distinct row"), ("belady_unique_hit_rate", "-.", "+", "bound per distinct row")]
 
@@ -157,12 +171,15 @@ def hit_rates_figure(runs: list[Run]):
     recorded): a legend of families plus quantities, not of their product."""
     plt = _pyplot()
     series: dict[str, list[dict[str, Any]]] = {}
-    for run in runs:
+    nudge: dict[str, float] = {}  # a later run's points sit a little right of an earlier one's
+    for k, run in enumerate(runs):
         for r in map(flat_row, run.records):
             ratio = r.get("param.cache_ratio")
             if r["status"] == "ok" and ratio is not None and (r["hit_rate"] is not None or r["unique_hit_rate"] is not None):
                 family = r["cell_id"].replace(f"cache_ratio={ratio}", "cache_ratio=*")
-                series.setdefault(f"{family} ({run.label})" if len(runs) > 1 else family, []).append(r)
+                name = f"{family} ({run.label})" if len(runs) > 1 else family
+                series.setdefault(name, []).append(r)
+                nudge[name] = RUN_NUDGE ** k  # equal figures of two runs stay two visible points
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(8, 5.2), layout="constrained")
@@ -171,9 +188,9 @@ def hit_rates_figure(runs: list[Run]):
     for i, (family, rows) in enumerate(series.items()):
         rows.sort(key=lambda r: r["param.cache_ratio"])
         for key, style, marker, _ in _HIT_RATES:
-            pts = [(r["param.cache_ratio"], r[key]) for r in rows if r.get(key) is not None]
+            pts = [(r["param.cache_ratio"] * nudge[family], r[key]) for r in rows if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), ls=style, marker=marker, color=cmap(i % 10))
+                ax.plot(*zip(*pts), ls=style, marker=marker, color=cmap(i % 10), alpha=0.85)
                 shown.add(key)
         handles.append(plt.Line2D([], [], color=cmap(i % 10), lw=3))
         labels.append(family)
@@ -200,7 +217,7 @@ def step_times_figure(runs: list[Run]):
         for r in map(flat_row, run.records):
             if r["status"] == "ok":
                 boxes.append([s * 1e3 for s in r["step_time_samples"]])
-                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else "") + (" busy!" if _busy(r) else ""))
+                labels.append(r["cell_id"] + (f"  ({run.label})" if len(runs) > 1 else "") + _marks(r))
     if not boxes:
         return None
     order = sorted(range(len(labels)), key=lambda i: labels[i], reverse=True)  # top to bottom, by cell
@@ -323,7 +340,8 @@ def cache_curve_figure(run: Run, curve: dict):
             measured.setdefault(family, []).append((ratio, rate))
     small = [i for i, below in enumerate(below_one_batch(curve)) if below]
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(families), figsize=(3.4 * len(families), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(families), figsize=(3.4 * len(families), 3.6), squeeze=False, sharey=True,
+                             layout="constrained")
     for ax, family in zip(axes[0], families):
         if "min" in lines:
             ax.plot(ratios, lines["min"]["unique_hit_rate"], ls="--", color="black", label="MIN (envelope)")
@@ -341,10 +359,14 @@ def cache_curve_figure(run: Run, curve: dict):
         ax.set_title(family.upper() if family in ("lru", "lfu") else family, fontsize=9)
         ax.set_xlabel("cache ratio")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=6, loc="lower right")
     axes[0][0].set_ylabel("hit rate per distinct row")
     axes[0][0].set_ylim(0, 1.02)
     fig.suptitle(f"{run.label}: cache curve ({curve['counted_steps']} batches), all tables in one cache", fontsize=9)
+    legend = {}  # one legend under the panels: inside one it covered measured points
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    _legend_below(fig, list(legend.values()), list(legend), fontsize=7)
     return fig
 
 
@@ -412,13 +434,17 @@ def render_report(runs: list[Run]) -> str:
 
 def _verdict_html(runs: list[Run]) -> str:
     """The report's first word (:func:`embbench.report.verdict`): per run and world size, the
-    fastest cell, its margin and whether the noise allows the decision."""
+    fastest cell, its margin and whether the noise allows the decision, held to the A/A noise
+    floor of the runs where two are the same scenario and commit (as the comparison below is)."""
     from embbench.report import verdict
 
+    floor = aa_floor_of(runs) if len(runs) > 1 else None
     items = "".join(f"<li>{html.escape(line)}</li>" for line in
                     (f"{run.label}: {line}" if len(runs) > 1 else line
-                     for run in runs for line in verdict(run.records, str(run.path))))
-    return f'<div class="verdict"><b>Verdict</b> (speed; the margin\'s 95% interval over repeats)<ul>{items}</ul></div>'
+                     for run in runs for line in verdict(run.records, str(run.path), aa_floor=floor)))
+    held = (f"; held to the A/A noise floor of these runs, {spread_text(math.expm1(floor))}" if floor is not None else "")
+    return (f'<div class="verdict"><b>Verdict</b> (speed; the margin\'s 95% interval over repeats{html.escape(held)})'
+            f'<ul>{items}</ul></div>')
 
 
 def _scrolling(table: str) -> str:

@@ -52,8 +52,8 @@ from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 
-__all__ = ["CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight", "other_scenario", "reusable_records",
-           "run_cells", "run_isolated", "scenario_info"]
+__all__ = ["HOST_HEADROOM", "RANK_PROCESS_BYTES", "CellOutcome", "RecordsNotWritten", "max_ranks", "memory_preflight",
+           "other_scenario", "rank_process_bytes", "reusable_records", "run_cells", "run_isolated", "scenario_info"]
 
 #: How long the other ranks may live on after one rank failed (they may be stuck in a collective).
 _PEER_GRACE_S = 10.0
@@ -460,6 +460,23 @@ def _weights_comparable(record: Record, baseline: Record | None) -> str | None:
     return None
 
 
+def _same_precision_diff(record: Record, baseline: Record | None, baseline_name: str, weights_dir: Path) -> dict[str, Any]:
+    """A rounded cell's max |Δw| from the baseline's cell in the same row precision (``baseline``,
+    None where the run has none with flushed weights), or why there is none: an exact strategy
+    in fp16 matches the baseline in fp16 bit for bit, while its ``max_weight_diff_vs_baseline``
+    (from the fp32 baseline when the run has it) is rounding."""
+    why_not = (f"no flushed weights of {baseline_name} in this run (not among its cells, or it did not end ok)"
+               if baseline is None
+               else _weights_comparable(record, baseline))
+    if why_not is None:
+        try:
+            return {"max_weight_diff_vs_baseline_same_precision": _max_weight_diff(
+                weights_dir / record.metrics["weights_file"], weights_dir / baseline.metrics["weights_file"])}
+        except RecordError as e:
+            why_not = str(e)
+    return {"weights_not_compared_same_precision": why_not}
+
+
 def _loss_diffs(record: Record, baseline: Record | None) -> dict[str, float]:
     """An exact strategy's training loss (the last 10 steps') and evaluation log loss minus the
     baseline's, absolute: a full-size correctness check that costs nothing. Both trained the
@@ -512,6 +529,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     write_errors: list[str] = []
     info = scenario_info(scenario, scenario_file)
     baseline_record: Record | None = None
+    baseline_by_precision: dict[str, Record] = {}  # the baseline's cell in each row precision, with its weights
     baseline_ok: Record | None = None  # the baseline's record, for the loss check
     fp32_records: dict[str, Record] = {}  # by the fp32 cell's id
     initial: list[torch.Tensor] | None = None
@@ -540,6 +558,8 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
         if write and record.status == "ok" and compare and record.metrics.get("weights_file"):
             if cell.strategy == scenario.baseline and baseline_record is None:
                 baseline_record = record
+            if cell.strategy == scenario.baseline:
+                baseline_by_precision.setdefault(cell.row_precision, record)
             why_not = _weights_comparable(record, baseline_record)
             mine = weights_dir / record.metrics["weights_file"]
             theirs = weights_dir / baseline_record.metrics["weights_file"] if baseline_record else None
@@ -552,6 +572,10 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                     record.metrics["weights_not_compared"] = str(e)
             elif why_not is not None:
                 record.metrics["weights_not_compared"] = why_not
+            same = baseline_by_precision.get(cell.row_precision)
+            if cell.row_precision != "fp32" and same is not record and cell.id not in done:
+                record.metrics.update(_same_precision_diff(record, same, f"{scenario.baseline} in {cell.row_precision}",
+                                                           weights_dir))
             fp32_id = Cell(cell.strategy, cell.params, cell.world_size).id
             if cell.row_precision == "fp32":
                 fp32_records[cell.id] = record
@@ -607,6 +631,22 @@ def _read_int(path: str) -> int | None:
     except (OSError, IndexError):
         return None
     return int(text) if text.isdigit() else None  # "max": no limit
+
+
+#: What each rank's process takes besides its strategy's estimate: the interpreter, torch and the
+#: libraries a cell imports, its batches. Measured: a CPU rank of the smoke scenario peaked at
+#: 375-381 MiB (results/2026-11-25-cpu-freqcache-v3), a bare interpreter with torch, fbgemm and
+#: torchrec imported holds 428 MiB (2026-11-29, 2 cores); a CUDA rank of the smoke scenario
+#: 1.65-1.91 GiB with its CUDA context (results/2026-11-23-h100/smoke).
+RANK_PROCESS_BYTES = {"cpu": 512 << 20, "cuda": 2 << 30}
+#: The share of the free host memory a cell leaves unused: what no estimate counts (allocator
+#: slack, the page cache a data source reads through, the launcher, other users of the machine).
+HOST_HEADROOM = 0.10
+
+
+def rank_process_bytes(device: torch.device) -> int:
+    """:data:`RANK_PROCESS_BYTES` of a rank on ``device``."""
+    return RANK_PROCESS_BYTES["cuda" if device.type == "cuda" else "cpu"]
 
 
 def _free_host_bytes() -> tuple[int, str]:
@@ -684,13 +724,15 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
     on_host = est.host_bytes + est.pinned_bytes + (est.device_bytes if device.type == "cpu" else 0)
     per_rank = {"device": est.device_bytes, "host": on_host}
     free, source = _free_host_bytes()
-    if on_host * cell.world_size > free:
+    process = rank_process_bytes(device)  # each rank's interpreter and libraries, beside its tables
+    if (on_host + process) * cell.world_size > (1 - HOST_HEADROOM) * free:
         pinned = "".join(f", {n / 2**30:,.2f} GiB of it {what}" for n, what in
                          ((est.pinned_bytes, "pinned"), (est.managed_bytes, "managed")) if n)
-        return per_rank, (f"not attempted: estimated {on_host * cell.world_size / 2**30:,.1f} GiB of host memory "
-                          f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned}), this machine has "
-                          f"{free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all) "
-                          f"(--force runs it anyway)")
+        return per_rank, (f"not attempted: estimated {(on_host + process) * cell.world_size / 2**30:,.1f} GiB of host "
+                          f"memory ({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned} + "
+                          f"{process / 2**30:,.2f} GiB a rank's process), this machine has {free / 2**30:,.1f} GiB free "
+                          f"({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all), of which a cell may take "
+                          f"{100 * (1 - HOST_HEADROOM):.0f}% (--force runs it anyway)")
     if est.disk_bytes:
         refused = _disk_preflight(est, cell.world_size, Path(est.disk_dir) if est.disk_dir else run_dir or Path.cwd())
         if refused:

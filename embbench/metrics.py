@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["instrument_costs", "memory_tiers", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
-           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training"]
+__all__ = ["instrument_costs", "memory_tiers", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize",
+           "speed_figures", "auc_logloss", "peak_rss_bytes", "device_memory", "OpCounter", "miss_rate", "warmed_up",
+           "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training", "accuracy_warnings"]
 
 #: A training loss this many times the first step's says the optimizer overshot. The scenarios'
 #: old dense Adagrad at lr 0.05 reached 1.7e6 at step 1 (from 0.69) and recovered; a run that does
@@ -167,7 +168,8 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
     Per tier: ``hit_rate`` is the share of all (distinct-per-batch) accesses it served,
     ``hit_rate_of_reaching`` the share of the accesses that reached it (FBGEMM #5777: the
     second falls as the tier above grows); its traffic a step with the tier below it (rows
-    read into it, written out of it); on the drive its I/Os (4 KiB pages), read amplification
+    read into it, written out of it: the device's with host memory, host memory's with the
+    drive; the drive, last, its own reads and writes); on the drive its I/Os (4 KiB pages), read amplification
     (bytes read over the useful rows' bytes), what the step waited for it (stall) and the reads a
     second it achieved while reading ahead (pages over the background reader's busy time).
     """
@@ -195,11 +197,12 @@ def memory_tiers(c: dict[str, int], steps: int, row_bytes: int, page_bytes: int 
     loads, misses = loaded, c["dram_load_misses"]
     pages_read, pages_written = c["nvme_pages_read"], c["nvme_pages_written"]
     reads_s = c["nvme_read_ns"] / 1e9
+    # host memory's traffic with the drive below it: the rows it lacked, in the pages read for
+    # them, and the pages written out (the device's traffic with host memory is the hbm row's)
     tiers.append({"tier": "dram", "hit_rate": share(loads - misses, reached), "hit_rate_of_reaching": share(loads - misses, loads),
                   "reaching_per_step": per_step(loads),
-                  "rows_read_per_step": per_step(loads), "bytes_read_per_step": per_step(loads * row_bytes),
-                  "rows_written_per_step": per_step(c["dram_write_backs"]),
-                  "bytes_written_per_step": per_step(c["dram_write_backs"] * row_bytes),
+                  "rows_read_per_step": per_step(misses), "bytes_read_per_step": per_step(pages_read * page_bytes),
+                  "bytes_written_per_step": per_step(pages_written * page_bytes),
                   "write_misses_per_step": per_step(c["dram_write_misses"])})
     tiers.append({"tier": "nvme", "hit_rate": share(misses, reached), "hit_rate_of_reaching": 1.0 if misses else None,
                   "reaching_per_step": per_step(misses),
@@ -305,6 +308,12 @@ def too_few_eval_samples(accuracy: dict[str, Any] | None) -> str | None:
         return None
     return (f"too few evaluation samples: AUC {auc:.3f} ± {1.96 * error:.3f} (95%, {accuracy.get('eval_samples', '?'):,} "
             f"samples) cannot be told from chance (0.5); score more held-out rows (data.eval, run.eval_batches)")
+
+
+def accuracy_warnings(accuracy: dict[str, Any] | None) -> list[str]:
+    """Why a cell's AUC is not to be read (:func:`unstable_training`, :func:`too_few_eval_samples`):
+    the lines under the results table, recommend's caveats and what keeps the AUC column shown."""
+    return [w for w in (unstable_training(accuracy), too_few_eval_samples(accuracy)) if w]
 
 
 def peak_rss_bytes() -> int:

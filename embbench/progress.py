@@ -21,6 +21,8 @@ from embbench.scenario import Cell
 __all__ = ["PhaseProgress", "RunProgress"]
 
 _STYLE = {"ok": "green", "unsupported": "yellow"}
+#: A cell done faster than this started no processes (unsupported, skipped): its time is no sample for the ETA.
+INSTANT_S = 1.0
 
 
 def _bars(console: Console, live: bool) -> Progress:
@@ -86,6 +88,7 @@ class RunProgress:
         self._phase = self.progress.add_task("", total=None, visible=False)
         self._started: dict[str, float] = {}
         self.wall: dict[str, float | None] = {}  # cell id -> seconds (None: kept from an earlier run)
+        self._not_run = 0
         self._begin = clock()
 
     def __enter__(self) -> "RunProgress":
@@ -111,7 +114,15 @@ class RunProgress:
     def on_done(self, cell: Cell, record: Record) -> None:
         start = self._started.pop(cell.id, None)
         self.wall[cell.id] = None if start is None else self.clock() - start
-        self.progress.advance(self._cells)
+        if self.wall[cell.id] is None or self.wall[cell.id] < INSTANT_S:
+            # kept from an earlier run, or not started (unsupported, skipped): no sample of a cell's time,
+            # so it leaves the bar's count instead of making its ETA as short as it took
+            task = self.progress.tasks[self._cells]
+            self.progress.update(self._cells, total=max(task.completed, (task.total or 0) - 1))
+            self._not_run += 1
+            self.progress.update(self._cells, description=f"cells ({self._not_run} kept or not started)")
+        else:
+            self.progress.advance(self._cells)
         self.progress.update(self._phase, visible=False)
         if self.lines:
             style = _STYLE.get(record.status, "red")

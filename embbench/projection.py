@@ -1,10 +1,10 @@
 """A model of throughput at other world sizes and link bandwidths, from one measured cell.
 
-This is a model, not a measurement. For a cell measured on ``W0`` ranks, the rank that spent
-the most time in collectives spent ``S0`` seconds per step in them, out of a mean step time
-of ``T0`` (both over the measured steps: the collective time is counted as a total, so it
-only subtracts from a mean over the same steps, on the same rank; a median step time is not
-comparable with it)::
+This is a model, not a measurement. For a cell measured on ``W0`` ranks with a step time of
+``T0`` (the median of its repeats' medians: the one statistic ``show``, ``compare`` and every
+table print, :func:`embbench.columns.speed`), the rank that spent the most time in
+collectives spent ``S0`` seconds per step in them on average (counted as a total over the
+measured steps)::
 
     K0        = T0 - S0                                   compute per step at W0
     t(W, bw)  = K0 * W0 / W  +  C(W) / bw  +  4 * lat      projected step time (lat: W > 1 only)
@@ -19,13 +19,15 @@ rows, gradients; default 0). Assumed: compute scales perfectly with 1/W (balance
 data-parallel dense part, no contention for cores or memory), communication does not
 overlap compute, one link bandwidth per rank. Projecting from a run on one rank ignores
 everything that only a multi-rank run shows (collective overheads, stragglers): prefer a
-measured multi-rank cell as the starting point.
+measured multi-rank cell as the starting point. At the measured world size and the measured
+bandwidth the model gives back ``T0``: the measured samples/s it shows are ``show``'s.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from embbench.columns import speed
 from embbench.data.presets import TableSpec
 from embbench.results import Record, counted_steps
 from embbench.sharding import plan_table_wise
@@ -60,15 +62,13 @@ def comm_bytes_per_rank(tables: list[TableSpec], batch: int, world: int) -> list
 
 
 def measured_step_and_comm(metrics: dict[str, Any]) -> tuple[float, float]:
-    """``(T0, S0)``: the mean step time and the time in collectives per step of the rank that
+    """``(T0, S0)``: the step time every table prints (:func:`embbench.columns.speed`: the
+    median of the repeats' medians) and the time in collectives per step of the rank that
     spent the most time in collectives."""
-    steps = metrics["measured_steps"]
     per_rank = metrics.get("per_rank") or [{"counters": metrics["counters"]["total"]}]
     busiest = max(per_rank, key=lambda r: r["counters"].get("comm_us", 0))
-    s0 = busiest["counters"].get("comm_us", 0) / 1e6 / counted_steps(metrics)  # the counters' own steps
-    if "measured_seconds" in busiest:
-        return busiest["measured_seconds"] / steps, s0
-    return metrics["step_time_s"]["mean"], s0  # one rank, or a record older than measured_seconds
+    # (the counters cover the counted steps, not the timed ones)
+    return speed(metrics).step_s, busiest["counters"].get("comm_us", 0) / 1e6 / counted_steps(metrics)
 
 
 def why_not_projectable(record: Record) -> str | None:
@@ -93,7 +93,7 @@ def project(record: Record, tables: list[TableSpec], worlds: list[int], links_gb
     m = record.metrics
     batch, w0 = m["samples_per_step"], record.world_size
     t0, s0 = measured_step_and_comm(m)
-    compute = max(t0 - s0, 0.0)  # (only a record from before measured_seconds can go below 0)
+    compute = max(t0 - s0, 0.0)  # (a median step below the mean collective time: a wildly uneven run)
     rows = []
     for w in worlds:
         busiest = max(comm_bytes_per_rank(tables, batch, w))

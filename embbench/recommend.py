@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
@@ -26,12 +26,18 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from embbench.columns import flat_rows, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
+from embbench.metrics import accuracy_warnings
 from embbench.results import EVAL_DIR, Record, RecordError, read_eval_scores
 from embbench.stats import AucComparison, delong, interval_text
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
            "recommend"]
 
+#: What a run on a CPU answers (said before any cell is named): every cell's "device" memory is
+#: this host's, so which placement fits a GPU's memory is not measured here.
+CPU_RUN_CAVEAT = ("the placement question cannot be answered here: measured with the host CPU as the device, so "
+                  "this ranks the cells' speed on this machine, and no cell's memory is a GPU's (measure on the GPU "
+                  "you will train on)")
 #: The parameter that sizes a cache (a convention of the built-in cached strategies).
 CACHE_RATIO = "cache_ratio"
 #: Suggest a larger cache when the budget allows this many times the largest one measured.
@@ -259,26 +265,36 @@ def _auc_noise_text(test: AucComparison) -> str:
             + (f"{test.samples:,} " if test.samples else "") + "evaluation samples")
 
 
+def _listed(cells: list[Candidate], text: Callable[[Candidate], str]) -> str:
+    return ", ".join(text(c) for c in cells[:3]) + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
+
+
 def _winner_caveats(best: Candidate, runners_up: list[Candidate]) -> list[str]:
     """Why the winner may not be the winner: a runner-up whose interval reaches it (not slower
-    beyond noise), or a winner measured on a busy machine or with a wide interval."""
+    beyond noise), one whose interval is clear of it but that the verdict does not judge (said
+    so, with why: a busy machine, say), or a winner measured on a busy machine or with a wide interval."""
     out = []
-    close = [c for c in runners_up if not c.significant]  # the verdict of the runners-up column
+    # not judged with an interval clear of the winner (a busy machine, say): "close" would misstate it
+    unjudged = [c for c in runners_up if c.significant is None and c.interval and not c.interval[0] <= 1 <= c.interval[1]]
+    close = [c for c in runners_up if not c.significant and c not in unjudged]  # the verdict of the runners-up column
     if close:
-        out.append(f"{best.cell_id} is not faster beyond noise than " + ", ".join(
-            c.cell_id + ("" if c.interval is None else f" {interval_text(c.interval, 0)}")
-            for c in close[:3]) + (f" and {len(close) - 3} more" if len(close) > 3 else "")
-            + ": run more repeats, or choose among them by memory or accuracy")
+        out.append(f"{best.cell_id} is not faster beyond noise than "
+                   + _listed(close, lambda c: c.cell_id + ("" if c.interval is None else f" {interval_text(c.interval, 0)}"))
+                   + ": run more repeats, or choose among them by memory or accuracy")
+    if unjudged:
+        out.append(f"not judged against {best.cell_id}: " + _listed(unjudged, lambda c: f"{c.cell_id} ({c.not_judged})"))
     if best.flags:
         out.append(f"{best.cell_id}: {'; '.join(best.flags)}")
     return out
 
 
 def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.001, alpha: float = ALPHA,
-              run_dir: str = "RUN", curve: dict | None = None) -> list[Recommendation]:
+              run_dir: str = "RUN", curve: dict | None = None, aa_floor: float | None = None) -> list[Recommendation]:
     """One recommendation per world size of the records (see the module doc); suggested
     cells are to be run into ``run_dir``, at no more than the knee of ``curve`` (an
-    ``embbench curve`` of the scenario) where one is given.
+    ``embbench curve`` of the scenario) where one is given. Each runner-up is judged against the
+    best as ``compare`` judges two runs (:func:`embbench.compare.repeat_test`), held to the A/A
+    noise floor ``aa_floor`` (:func:`embbench.compare.aa_floor_of`) where one is known.
 
     A cell is left out when it did not finish (its status), when its memory exceeds the
     budget (by how much), or when its AUC is below the baseline's at the same world size
@@ -330,14 +346,19 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                                          fastest_hbm_cell=row.get("fastest_hbm_cell")))
         fitting.sort(key=lambda c: -c.throughput)
         if any(str(r.metrics.get("device", "")).startswith("cpu") for r in mine if r.metrics):
-            rec.caveats.append("measured with the host CPU as the device: this ranks the cells of this machine, it "
-                               "is not a placement decision (measure on the GPU you will train on)")
+            rec.caveats.append(CPU_RUN_CAVEAT)
+        accuracy = [f"{r.cell_id}: {w}" for r in mine if r.status == "ok" and r.metrics
+                    for w in accuracy_warnings(r.metrics.get("accuracy"))]
+        if accuracy:  # the run's own warning: an AUC check on such numbers decides nothing
+            rec.caveats.append(f"accuracy not to be read in {len(accuracy)} cell(s): " + "; ".join(accuracy[:2])
+                               + (f"; and {len(accuracy) - 2} more" if len(accuracy) > 2 else ""))
         if fitting:
             rec.best, rec.runners_up = fitting[0], fitting[1:]
             metrics = {r.cell_id: r.metrics for r in mine}
             for c in rec.runners_up:
                 c.relative_to_best = c.throughput / rec.best.throughput - 1
-                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha, names=("the best", "this cell"))
+                test = repeat_test(metrics[rec.best.cell_id], metrics[c.cell_id], alpha, names=("the best", "this cell"),
+                                   aa_floor=aa_floor)
                 c.p_value, c.significant, c.interval, c.not_judged = (test.p_value, test.significant, test.interval,
                                                                       test.not_judged)
             rec.caveats += _winner_caveats(rec.best, rec.runners_up)

@@ -13,8 +13,8 @@ from rich.text import Text
 from embbench.columns import (Reference, all_in_hbm_throughputs, baseline_throughputs, device_need_bytes, flat_row,
                               instrument_columns, speed, tier_names)
 from embbench.compare import METRICS, TIER_METRICS, CellComparison, Delta, Significance, repeat_test
-from embbench.metrics import too_few_eval_samples, unstable_training
-from embbench.recommend import CACHE_RATIO, Budget, Recommendation, format_bytes, recommend
+from embbench.metrics import accuracy_warnings
+from embbench.recommend import CACHE_RATIO, CPU_RUN_CAVEAT, Budget, Recommendation, format_bytes, recommend
 from embbench.results import Record
 from embbench.stats import interval_text
 from embbench.table_view import Column, Grid, Row, View, print_grid, view_part
@@ -67,7 +67,7 @@ RESULT_COLUMNS = [
     Column("speedup", "speedup", always=True),
     Column("speedup_hbm", "vs\nHBM", always=True),
     Column("device_bytes", "device MiB\nstatic / peak"),
-    Column("hit_rate", "hit rate\n(MIN est.)"),
+    Column("hit_rate", "hit rate per\naccess (MIN est.)"),
     Column("cpu", "CPU ms\nper step"),
     Column("host_bytes", "host MiB"),
     Column("auc", "AUC"),
@@ -107,7 +107,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float], hbm: dict[tuple
     unique_hit = _get(m, "counters", "unique_hit_rate")
     if _get(m, "extra", "window_hit_rate") is not None:  # MIN counted over a window: the policy over the same steps
         hit, unique_hit = m["extra"]["window_hit_rate"], _get(m, "extra", "window_unique_hit_rate")
-    diff = m.get("max_weight_diff_vs_baseline") if r.semantics == "exact" else None
+    # a rounded cell against the baseline in its own precision where the run has it (not its fp32 rounding)
+    diff = m.get("max_weight_diff_vs_baseline_same_precision", m.get("max_weight_diff_vs_baseline")) \
+        if r.semantics == "exact" else None
     moved = per_step.get("bytes_h2d", 0) + per_step.get("bytes_d2h", 0)
     ops, syncs = m.get("ops_per_step"), m.get("host_syncs_per_step")
     bookkeeping = ", ".join(f"{label} {per_step[k]:,.3g}" for k, label in _BOOKKEEPING.items() if per_step.get(k))
@@ -178,7 +180,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     notes = {
         "throughput": "samples/s: the global batch over the median of the repeats' median steps, with its 95% "
                       "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
-                      "timed, wide!: its interval is wider than ±10%",
+                      "timed, wide!: its interval is wider than ±10%, filling!: a cache timed while it still filled (empty slots, or a "
+                      "miss rate still falling: cheaper than its steady state)",
         "speedup": f"speedup against {baseline_name} at the same ranks (its fp32 cell where it ran in several row precisions)",
         "speedup_hbm": "vs HBM: speedup against the fastest all-in-HBM cell (every table in device memory) "
                        f"at the same ranks, fp32 ({', '.join(fastest) if fastest else 'none measured'})",
@@ -191,7 +194,8 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
         "device_bytes": "device MiB: the largest rank",
         "comm": "comm: bytes all ranks send to each other",
         "ops_syncs": "ops: ATen operators per step, syncs: host waits (CUDA)",
-        "max_dw": "max |Δw| only where the training order is the baseline's",
+        "max_dw": "max |Δw| only where the training order is the baseline's; a fp16 / bf16 / fp8 cell's from the "
+                  "baseline's cell in the same precision where the run has one",
     }
     return Grid(RESULT_COLUMNS, [_row(r, baseline_rate, hbm) for r in records], title=title, notes=notes,
                 caption=host_device_caption(records))
@@ -203,14 +207,18 @@ def print_comparison(records: list[Record], console: Console | None = None, titl
     numbers or numbers not to bet on."""
     console = console or Console()
     if (results := view_part(view, RESULT_COLUMNS)) is not None:
-        print_grid(comparison_grid(records, title), console, results)
+        grid = comparison_grid(records, title)
+        if any(accuracy_warnings(r.metrics.get("accuracy")) for r in records if r.status == "ok" and r.metrics):
+            # a warning under the table about the AUC is read beside the AUC: at any width
+            grid.columns = [dataclasses.replace(c, always=True) if c.key == "auc" else c for c in grid.columns]
+        print_grid(grid, console, results)
     _print_tiers(tier_grid(records), console, view)  # right under its results table: it needs no title of its own
     for r in records:  # why a cell has no numbers, or numbers not to bet on
         if r.status != "ok" and r.message:
             console.print(Text(f"{r.cell_id}: {r.status}: {r.message}", style=_STATUS_STYLE.get(r.status, "")))
         elif r.status == "ok" and r.metrics:
             accuracy = r.metrics.get("accuracy")
-            why_not = speed(r.metrics).flags + [w for w in (unstable_training(accuracy), too_few_eval_samples(accuracy)) if w]
+            why_not = speed(r.metrics).flags + accuracy_warnings(accuracy)
             if why_not:
                 console.print(Text(f"{r.cell_id}: {'; '.join(why_not)}", style="yellow"))
 
@@ -314,13 +322,15 @@ def print_deltas(cells: list[CellComparison], before: str, after: str, test: str
         console.print(Text(f"not comparable ({which}): {why}", style="magenta"))
 
 
-def verdict(records: list[Record], run_dir: str = "RUN") -> list[str]:
+def verdict(records: list[Record], run_dir: str = "RUN", aa_floor: float | None = None) -> list[str]:
     """A run's answer in a line per world size: the fastest cell (ranked as ``recommend`` ranks
     them with no memory budget: a cell whose AUC falls below the baseline's beyond its noise is
     left out), its margin over the next fastest, and whether the noise allows the decision:
-    the verdict ``compare`` and its gate read (:func:`embbench.compare.judge`) on the two."""
+    the verdict ``compare`` and its gate read (:func:`embbench.compare.repeat_test`) on the two,
+    held to the A/A noise floor ``aa_floor`` (:func:`embbench.compare.aa_floor_of`) as
+    ``compare`` holds every cell to it."""
     out = []
-    for rec in recommend(records, Budget(device_bytes=2**62), run_dir=run_dir):
+    for rec in recommend(records, Budget(device_bytes=2**62), run_dir=run_dir, aa_floor=aa_floor):
         where = f"{rec.world_size} rank(s)"
         # with no memory budget, a measured cell is left out for its accuracy only
         lost = sum(rec.excluded.get(r.cell_id) is not None for r in records
@@ -336,7 +346,8 @@ def verdict(records: list[Record], run_dir: str = "RUN") -> list[str]:
             continue
         metrics = {r.cell_id: r.metrics for r in records if r.world_size == rec.world_size}
         runner = rec.runners_up[0]
-        sig = repeat_test(metrics[runner.cell_id], metrics[best.cell_id], names=("the runner-up", "the best"))
+        sig = repeat_test(metrics[runner.cell_id], metrics[best.cell_id], names=("the runner-up", "the best"),
+                          aa_floor=aa_floor)
         margin = f"{100 * (best.throughput / runner.throughput - 1):+.1f}%"
         head += f", {margin}{' ' + interval_text(sig.interval) if sig.interval else ''} over {runner.cell_id}"
         if sig.not_judged:
@@ -376,11 +387,12 @@ _TIER_FORMAT = {
 #: The rows a step moves, shown under its bytes (where the tier counts rows).
 _TIER_ROWS = {"bytes_read_per_step": "rows_read_per_step", "bytes_written_per_step": "rows_written_per_step"}
 _TIER_NOTES = {
-    "tier_hit_rate": "hit rate (all): the share of every distinct row a batch needs that the tier served (the tiers "
-                     "add up to 100%)",
+    "tier_hit_rate": "rows hit (all): the share of every distinct row a batch needs that the tier served (the tiers "
+                     "add up to 100%; the results table's hit rate is per access)",
     "hit_rate_of_reaching": "(of reaching): the share of those that reached it, having missed every tier above",
     "stall_seconds_per_step": "stall: what a step waited for the drive's reads",
-    "bytes_read_per_step": "read/written: the tier's traffic with the tier below it",
+    "bytes_read_per_step": "read/written: the tier's traffic with the tier below it (hbm: read from host memory; "
+                           "dram: read from the drive; nvme, the last: the drive's own)",
     "ios_per_step": "I/Os: 4 KiB pages read and written on the drive",
     "read_amplification": "read amplification: bytes read over the useful rows' bytes",
     "reads_per_second": "reads/s: pages a second while the drive was read",
@@ -489,13 +501,13 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
                        f"from the records in {source} (measured only)"))
     for rec in recs:
         console.print(Text(f"\n{rec.world_size} rank(s)", style="bold"))
-        # A CPU run's caveat comes before the answer; the others right after it.
-        host_first = [c for c in rec.caveats if c.startswith("measured with the host")]
+        # A CPU run's caveat comes before the answer, which it then names no recommendation; the others after it.
+        host_first = [c for c in rec.caveats if c == CPU_RUN_CAVEAT]
         for caveat in host_first:
             console.print(Text(f"read first: {caveat}", style="bold yellow"))
         if rec.best:
             b = rec.best
-            console.print(Text.assemble("recommended: ", (b.cell_id, "bold green"),
+            console.print(Text.assemble("fastest on this machine: " if host_first else "recommended: ", (b.cell_id, "bold green"),
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
                                         f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
                                         + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")
@@ -568,6 +580,15 @@ def print_torchrec_plans(plans: dict[int, dict], recs: list[Recommendation], bud
                            + f" and {len(tables) - len(cached)} whole on the device: {format_bytes(total)} of the "
                            f"{format_bytes(budget.device_bytes)} budget (torchrec keeps the rest for the dense part "
                            "and the input batches)"))
+        if cached:
+            smallest = min(cached, key=lambda t: t["rows"])
+            console.print(Text(f"why a table such as {smallest['name']} ({smallest['rows']:,} rows) is cached, not whole on "
+                               "the device: embbench lets torchrec's planner choose only fbgemm's UVM cache "
+                               "(fused_uvm_caching) for every table, so that it sizes each cache from the curve; its "
+                               "proposer moves a table whole onto the device only when its cache grows to about all "
+                               "its rows or would move more than the table holds, so a table whose cache gains little "
+                               "from growing stays a cache, though it would fit whole",
+                               style="dim"))
 
 
 def profile_tables(records: list[Record], top: int = 10) -> list[Table]:

@@ -22,12 +22,17 @@ from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, Positiv
 from embbench.inputs import not_regular, open_schema as _open, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
-__all__ = ["SCHEMA_VERSION", "TIMED_INSTRUMENT_SHARE", "Instrument", "Metrics", "counted_steps", "Record", "RecordError", "Status", "by_scenario", "load_records", "read_record",
-           "run_directory_lock", "scenario_differences", "schema_error", "write_record"]
+__all__ = ["FAILED_STATUSES", "SCHEMA_VERSION", "TIMED_INSTRUMENT_SHARE", "Instrument", "Metrics", "Record", "RecordError",
+           "Status", "by_scenario", "counted_steps", "load_records", "read_record", "run_directory_lock",
+           "scenario_differences", "schema_error", "write_record"]
 
 SCHEMA_VERSION = 1
 #: ``skipped``: never started, the memory preflight said it would not fit (``oom``: it ran, and ran out)
 Status = Literal["ok", "unsupported", "skipped", "error", "oom", "timeout", "diverged"]
+#: The statuses of a cell that started (or should have) and failed: ``run`` exits non-zero on any.
+#: ``unsupported`` (this machine or strategy cannot) and ``skipped`` (the memory preflight said it
+#: cannot fit) are answers about the machine, not failures.
+FAILED_STATUSES = ("error", "oom", "timeout", "diverged")
 
 # The measured figures (Finite, Count, ...): strict (a string or a bool is not a number) and
 # finite, the bounds a scenario's fields share (embbench.bounds).
@@ -236,6 +241,7 @@ class Metrics(TypedDict):
     trained_steps: NotRequired[PositiveCount]  # before the evaluation (absent in older records)
     warmup_miss_rates: NotRequired[list[Rate | None]]
     empty_slots_at_timing: NotRequired[Count]  # a cache's slots still empty when timing started (this rank)
+    warmup_steady: NotRequired[bool]  # a cache's miss rate was steady when timing started (runner._warm_up)
     build_seconds: NotRequired[NonNegative]
     cell_seconds: NotRequired[NonNegative]  # the cell's wall time in the launcher, start-up to the last rank's end
     step_time_s: StepTimes
@@ -262,6 +268,10 @@ class Metrics(TypedDict):
     weights_file: NotRequired[str | None]
     max_weight_diff_vs_baseline: NotRequired[NonNegative]
     weights_not_compared: NotRequired[str]  # why max_weight_diff_vs_baseline is absent
+    #: a rounded cell's max |Δw| from the baseline's cell in its row precision (max_weight_diff_vs_baseline
+    #: is from the baseline's first cell, its fp32 one where the run has it)
+    max_weight_diff_vs_baseline_same_precision: NotRequired[NonNegative]
+    weights_not_compared_same_precision: NotRequired[str]  # why max_weight_diff_vs_baseline_same_precision is absent
     # |this - the baseline's| for exact strategies that trained the same steps (launch._loss_diffs)
     train_loss_last10_diff_vs_baseline: NotRequired[NonNegative]
     logloss_diff_vs_baseline: NotRequired[NonNegative]

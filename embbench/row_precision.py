@@ -27,7 +27,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_PRECISIONS", "RowPrecision", "RowType", "row_type", "stochastic_round", "table_bytes", "uniform_keyed"]
+__all__ = ["ROW_PRECISIONS", "RowPrecision", "RowType", "row_type", "stochastic_round", "table_bytes", "uniform_keyed",
+           "update_key"]
 
 RowPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 ROW_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8")
@@ -103,7 +104,9 @@ class RowType:
         scale = None
         if self.scaled:
             amax = weights.abs().amax(1, keepdim=True)
-            scale = torch.where(amax > 0, amax / self.max_value, torch.ones_like(amax))
+            # a tensor divisor: torch divides a CUDA tensor by a Python number as a multiplication
+            # by its reciprocal, not as the rounded-row kernel divides (embbench.row_update)
+            scale = torch.where(amax > 0, amax / torch.full_like(amax, self.max_value), torch.ones_like(amax))
             weights = (weights / scale).clamp(-self.max_value, self.max_value)
         if uniform is not None:
             weights = stochastic_round(weights, uniform, self.mantissa_bits, self.min_exponent, self.max_value)
@@ -165,12 +168,16 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
+def update_key(seed: int, update: int) -> int:
+    """The (seed, update) part of :func:`uniform_keyed`'s key, mixed on the CPU: a Python int
+    (no copy to the device; the rounded-row kernel takes it as an argument)."""
+    packed = ((seed & _MASK_32) << 32) | (update & _MASK_32)
+    return int(_mix(torch.tensor(packed - (1 << 64) if packed >= 1 << 63 else packed, dtype=torch.long)))
+
+
 def uniform_keyed(seed: int, update: int, rows: Tensor, columns: int) -> Tensor:
     """``[len(rows), columns]`` float32 draws in [0, 1), each a function of (seed, update, row,
     column) only: the same for a row wherever it is stored and in whatever order rows come."""
-    # the (seed, update) key as a Python int, mixed on the CPU: no copy to the device
-    packed = ((seed & _MASK_32) << 32) | (update & _MASK_32)
-    key = int(_mix(torch.tensor(packed - (1 << 64) if packed >= 1 << 63 else packed, dtype=torch.long)))
-    per_row = _mix(rows.long() * 0x9E3779B1 + key)
+    per_row = _mix(rows.long() * 0x9E3779B1 + update_key(seed, update))
     bits = _mix(per_row.unsqueeze(1) + torch.arange(columns, device=rows.device))
     return ((bits >> 40) & ((1 << 24) - 1)).float() * (1.0 / (1 << 24))

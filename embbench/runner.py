@@ -12,6 +12,7 @@ one private :class:`_Training`; split into files, a reader would follow one cell
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -72,17 +73,28 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         work_dir: the cell's own folder for the strategy's files (``BuildContext.work_dir``).
     """
     report = _Progress(progress, env.rank)
-    training = _build(scenario, cell, env, process_group, schedule, profile_path is not None, report, work_dir)
-    warmup = _warm_up(training, report)
-    generator_rate = _generator_rate(training)
-    timing = _time_steps(training, report)
-    counted = _counted_steps(training, report)
-    ops = _count_ops(training)
-    profile = _profile(training, profile_path) if profile_path is not None else None
-    _catch_up(training, warmup, report)
-    accuracy = _evaluate(training, report)
-    weights = _save_weights(training, weights_path)
-    return _record(training, warmup, timing, counted, generator_rate, ops, profile, accuracy, weights)
+    with training_stream(env.device):
+        training = _build(scenario, cell, env, process_group, schedule, profile_path is not None, report, work_dir)
+        warmup = _warm_up(training, report)
+        generator_rate = _generator_rate(training)
+        timing = _time_steps(training, report)
+        counted = _counted_steps(training, report)
+        ops = _count_ops(training)
+        profile = _profile(training, profile_path) if profile_path is not None else None
+        _catch_up(training, warmup, report)
+        accuracy = _evaluate(training, report)
+        weights = _save_weights(training, weights_path)
+        return _record(training, warmup, timing, counted, generator_rate, ops, profile, accuracy, weights)
+
+
+def training_stream(device: torch.device):
+    """The cell's own stream on CUDA, of the highest priority the device has: where a
+    strategy's side stream (made at the default, lowest priority) competes for the GPU, the
+    kernels the training step waits for are scheduled first. Nothing on a CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    _, highest = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers are higher
+    return torch.cuda.stream(torch.cuda.Stream(device, priority=highest))
 
 
 # --- build --------------------------------------------------------------------------------------
@@ -164,8 +176,11 @@ class _Training:
         if ahead:
             sparse.look_ahead(ahead)
         pooled = self.pooled(batch.sparse)
-        sparse.prefetch(upcoming.sparse)
         loss = self.loss_fn(self.model(batch.dense, pooled), batch.labels)
+        # The next batch's prefetch once the dense forward is launched (as torchrec's prefetch
+        # pipeline does): its launches never delay the forward's, and a strategy gates its side
+        # stream on its own lookup, not on this.
+        sparse.prefetch(upcoming.sparse)
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()
         sparse.after_backward()
@@ -249,31 +264,39 @@ class _WarmUp:
     miss_rates: list[float | None]
     #: device slots the cache had not filled when timing started (None: not a cache that says)
     empty_slots: int | None = None
+    #: whether the miss rate was steady when timing started (None: no miss rate to watch)
+    steady: bool | None = None
 
 
 def _warm_up(training: _Training, report: "_Progress") -> _WarmUp:
-    """``warmup_steps`` steps; with ``warmup_max_steps``, on until the miss rate stops falling
-    and the cache's empty slots stop filling (while they fill it loads without evicting:
-    cheaper than its steady state). Every rank stops at the same step."""
+    """``warmup_steps`` steps, then (up to ``run.warmup_bound``, by default as many steps as are
+    timed) on until the cache is steady: at the end of a window of ``_WARMUP_WINDOW`` steps,
+    its miss rate is no lower than the window's before by more than 0.2 points
+    (:func:`~embbench.metrics.warmed_up`) and its empty slots are none or no fewer than a
+    window before (while they fill it loads without evicting or writing back: cheaper than its
+    steady state). A strategy with no miss rate stops at the first window. Every rank stops
+    at the same step; the record says whether the cache was steady and how many slots were
+    empty when timing started (a cell timed while filling is flagged ``filling!``)."""
     run, sparse = training.run, training.sparse
     losses: list[torch.Tensor] = []
     window_rates: list[float | None] = []
     window_empty: list[int | None] = []
     sparse.set_counting("warmup")
-    window_start = sparse.counters()
+    first = window_start = sparse.counters()
     while training.step_index < run.warmup_bound:
         step = training.step_index
         if step >= run.warmup_steps and step % _WARMUP_WINDOW == 0 and _steady(training, window_rates, window_empty):
             break
         report("warmup", step, run.warmup_bound)
         losses.append(training.timed_step()[1])
-        if run.warmup_max_steps and training.step_index % _WARMUP_WINDOW == 0:
+        if training.step_index % _WARMUP_WINDOW == 0:
             now = sparse.counters()
             window_rates.append(miss_rate(window_start, now))
             window_empty.append(sparse.empty_slots())
             window_start = now
     _check_finite(losses, 0)
-    return _WarmUp(training.step_index, window_rates, sparse.empty_slots())
+    steady = None if miss_rate(first, sparse.counters()) is None else warmed_up(window_rates)
+    return _WarmUp(training.step_index, window_rates, sparse.empty_slots(), steady)
 
 
 def _steady(training: _Training, window_rates: list[float | None], window_empty: list[int | None]) -> bool:
@@ -547,6 +570,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, counted: _Cou
         "trained_steps": training.step_index,
         "warmup_miss_rates": warmup.miss_rates,
         **({} if warmup.empty_slots is None else {"empty_slots_at_timing": warmup.empty_slots}),
+        **({} if warmup.steady is None else {"warmup_steady": warmup.steady}),
         "build_seconds": training.build_seconds,
         "step_time_s": step_time,
         "throughput": throughput,

@@ -13,7 +13,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
@@ -152,10 +152,11 @@ PROFILE_STEPS = 3
 class RunConfig(_Strict):
     world_size: PositiveCount | list[PositiveCount] = Field(1, description="ranks (processes) per cell; a list: a cell for each")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    warmup_steps: int = Field(5, ge=0, description="warm-up steps (the least, when warmup_max_steps is set)")
-    warmup_max_steps: int | None = Field(
-        None, ge=0, description="warm up until the cache's miss rate stops falling, at most this many steps "
-                                "(None: exactly warmup_steps)")
+    warmup_steps: int = Field(5, ge=0, description="warm-up steps (the least, unless warmup_max_steps is null)")
+    warmup_max_steps: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+        "auto", description="warm up until the cache is steady (its miss rate no longer falls and its empty slots "
+                            "no longer fill), at most this many steps; auto: as many as are timed (repeats x "
+                            "steps); null: exactly warmup_steps")
     steps: int = Field(20, gt=0, description="measured steps per repeat")
     repeats: int = Field(5, ge=1, description="timed windows of `steps` steps; each one's median step is one sample")
     eval_batches: int = Field(4, ge=0)
@@ -228,7 +229,8 @@ class RunConfig(_Strict):
     @property
     def warmup_bound(self) -> int:
         """The most warm-up steps a cell may run."""
-        return max(self.warmup_steps, self.warmup_max_steps or 0)
+        bound = self.repeats * self.steps if self.warmup_max_steps == "auto" else self.warmup_max_steps or 0
+        return max(self.warmup_steps, bound)
 
     @property
     def world_sizes(self) -> list[int]:

@@ -30,7 +30,8 @@ if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
     exit 0
 fi
 
-step() { echo "setup_env: [$1/5] $2" >&2; }
+steps=7  # tests/test_small_things.py checks that the steps below are 1..7, each once
+step() { echo "setup_env: [$1/$steps] $2" >&2; }
 # pip with its download lines (what it fetches, and how big), without the lines that say nothing.
 pip_shown() {
     set +e
@@ -82,12 +83,14 @@ pip_shown --no-deps "torchrec==$release.*"
 step 5 "installing embbench (editable) with its dependencies and the test tools"
 pip_shown -e "$root[test]" "torch==$torch_version" "setuptools>=68"
 # as a user installs a plugin; --no-deps --no-build-isolation: it needs nothing the step above did not bring
-echo "setup_env: [5/5] installing the example plugin $example_plugin (editable)" >&2
+step 6 "installing the example plugin $example_plugin (editable)"
 pip_shown --no-deps --no-build-isolation -e "$example_plugin"
 # A CPU build of torch brings no triton: the tests run freqcache's Triton kernels in its interpreter.
 if [ "$torch_flavour" = cpu ] && ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
-    echo "setup_env: [5/5] installing triton (about 0.3 GB): the tests run the Triton kernels in its interpreter" >&2
+    step 7 "installing triton (about 0.3 GB): the tests run the Triton kernels in its interpreter"
     pip_shown "triton>=3.7" "torch==$torch_version"
+else
+    step 7 "triton is installed (a CUDA build of torch brings it): kept"
 fi
 
 "$venv/bin/python" -c "import torch, fbgemm_gpu, torchrec, embbench, hot_copy_example, rich, yaml, pydantic, pytest, hypothesis, pytest_benchmark, selenium" \

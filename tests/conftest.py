@@ -31,12 +31,27 @@ from embbench.strategy import RuntimeEnv, load_strategies
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_compiles_nothing(request):
+    """A graph compiled from a cold cache takes tens of seconds on 2 cores (inductor): a test that
+    compiles one belongs to the slow tier, and is told so here rather than found by its time."""
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["unique_graphs"]
+    yield
+    compiled = counters["stats"]["unique_graphs"] - before
+    if compiled and request.node.get_closest_marker("slow") is None:
+        pytest.fail(f"{request.node.nodeid} compiled {compiled} graph(s) with torch.compile but is not marked "
+                    "slow: the fast tier compiles nothing (mark it @pytest.mark.slow)", pytrace=False)
+
 TINY = {
     "name": "tiny",
     "data": {"preset": "criteo_kaggle", "scale": 0.0002, "embedding_dim": 8, "batch_size": 64},
     "model": {"bottom_mlp": [16, 8], "top_mlp": [16, 1]},
     "optimizer": {"embedding": {"type": "rowwise_adagrad", "lr": 0.1}, "dense": {"type": "sgd", "lr": 0.1}},
-    "run": {"device": "cpu", "warmup_steps": 1, "steps": 3, "repeats": 2, "eval_batches": 1, "time_limit_s": 600},
+    # warm-up: exactly warmup_steps (fast; a test about warm-up sets its own bound)
+    "run": {"device": "cpu", "warmup_steps": 1, "warmup_max_steps": None, "steps": 3, "repeats": 2, "eval_batches": 1,
+            "time_limit_s": 600},
     "baseline": "device",
     "strategies": [{"name": "device"}, {"name": "cpu"}],
 }

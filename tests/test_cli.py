@@ -34,6 +34,7 @@ def test_run_smoke_prints_the_table_and_writes_a_record_per_cell(tmp_path):
     assert shown.returncode == 0 and "cpu@w1" in shown.stdout
 
 
+@pytest.mark.slow
 def test_strategies_lists_the_installed_ones():
     proc = embbench("strategies")
     assert proc.returncode == 0
@@ -51,6 +52,7 @@ def test_a_misspelled_key_fails_naming_it(tmp_path):
     assert f"{path}: run.warmup_step: unknown key" in proc.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_estimates_memory_and_runs_nothing(tmp_path):
     proc = embbench("run", "scenarios/smoke.yaml", "--dry-run", "--out", str(tmp_path / "none"))
     assert proc.returncode == 0
@@ -165,6 +167,7 @@ def test_the_data_folder_is_ignored_by_git_and_the_data_package_is_not():
     assert not ignored("embbench/data/new_source.py")
 
 
+@pytest.mark.slow
 def test_printed_commands_start_with_the_executable_the_user_typed(tmp_path):
     """A command printed to be pasted runs as printed: the console script as typed, or the
     interpreter with -m embbench.cli or -m embbench."""

@@ -172,6 +172,7 @@ def _check_maps(cache: ColossalAICache) -> None:
 @given(stream=streams(), opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]),
        policy=st.sampled_from(["dataset", "lfu"]), spare=st.sampled_from([0, 1, 3, 1000]),
        warmup=st.sampled_from([0.0, 0.7, 1.0]), buffer=st.sampled_from([0, 1, 3]), profile=st.integers(0, 2))
+@pytest.mark.slow
 def test_row_state_trains_exactly_like_whole_tables(stream, opt_type, policy, spare, warmup, buffer, profile):
     tables, batches = stream
     space = RowSpace(tables)
@@ -228,6 +229,7 @@ def test_invalid_parameters_are_rejected(bad):
         ColossalAIParams(**bad)
 
 
+@pytest.mark.slow
 def test_a_too_small_cache_fails_its_cell_and_the_run_goes_on(tmp_path):
     """Through the launcher: the error is that cell's record; the next cell (on two ranks,
     table-wise) still runs and, with the state moving with its rows, trains like device."""

@@ -223,6 +223,7 @@ def _stamps(cache: Path) -> dict:
     return {str(p.relative_to(cache)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache.rglob("*")}
 
 
+@pytest.mark.slow
 def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path):
     source = write_fake_criteo(tmp_path / "train.txt", 2000, seed=3)
     scenario = _scenario_file(tmp_path, source)
@@ -237,6 +238,7 @@ def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path):
     assert not list((tmp_path / "results").glob("runs/*/data-cache"))
 
 
+@pytest.mark.slow
 def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path):
     source = write_fake_criteo(tmp_path / "train.txt", 2000, seed=3)
     scenario = _scenario_file(tmp_path, source)

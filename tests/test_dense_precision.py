@@ -36,6 +36,7 @@ def test_tf32_is_recorded_as_fp32_on_the_cpu(tmp_path):
         assert torch.get_float32_matmul_precision() == before
 
 
+@pytest.mark.slow
 def test_bf16_trains_the_dense_part_in_bfloat16_and_the_embeddings_in_float32(tmp_path):
     raw = tiny_scenario(run={"dense_precision": "bf16"})
     weights, metrics = train_and_flush(raw, "device", tmp_path=tmp_path)
@@ -68,6 +69,7 @@ def test_deterministic_algorithms_are_scoped_and_name_the_operators_that_have_no
     assert nothing == []
 
 
+@pytest.mark.slow
 def test_a_deterministic_run_records_it_and_keeps_other_scenarios_digests(tmp_path):
     plain, _ = parse_scenario(tiny_scenario(), "test")
     off, _ = parse_scenario(tiny_scenario(run={"deterministic": False}), "test")

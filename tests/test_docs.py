@@ -78,33 +78,37 @@ _EXAMPLE = re.compile(r"(<!-- example: (?P<name>[\w-]+) .*?-->\n)(?P<body>.*?)(<
 
 
 def _recommend_example(tmp_path: Path, monkeypatch, capsys) -> str:
-    """``recommend`` on fixed records in the shape of a CPU-only smoke run (tables of 2.19 MiB),
-    with 1 MiB of device memory: what docs/measurement.md shows."""
+    """``recommend`` on records of the shipped smoke scenario's cells with 1 MiB of device
+    memory: what docs/measurement.md shows. Each cell's memory is its strategy's estimate for
+    scenarios/smoke.yaml (what a run records as its static bytes), its speed and AUC fixed."""
     from record_factory import make_record, write_run
     from rich.console import Console
 
     from embbench import cli
+    from embbench.launch import memory_estimate
+    from embbench.scenario import Cell, load_scenario
 
-    mib = 1 << 20
-
+    smoke, _ = load_scenario(ROOT / "scenarios" / "smoke.yaml")
     jitter = random.Random(0)
 
-    def cell(strategy, params=None, ms=10.0, device=0.0, **kw):
+    def cell(strategy, params=None, ms=10.0, **kw):
         steps = [ms / 1000 * (1 + 0.03 * jitter.random()) for _ in range(15)]
-        return make_record(strategy, params, step_times=steps, repeats=5, device_bytes=int(device * mib),
-                           host_bytes=3 * mib, **kw)
+        footprint = memory_estimate(smoke, Cell(strategy, params or {}))
+        return make_record(strategy, params, step_times=steps, repeats=5, device_bytes=footprint.device_bytes,
+                           host_bytes=footprint.host_bytes, **kw)
 
     def auc(value):  # 2,048 evaluation samples: DeLong's standard error about 0.011
         return {"accuracy": {"train_loss_last10": 0.5, "auc": value, "logloss": 0.5, "eval_samples": 2048,
                              "auc_standard_error": 0.011}}
 
     records = [
-        cell("device", ms=9.1, device=2.19, **auc(0.7502)),
+        cell("device", ms=9.1, **auc(0.7502)),
         cell("cpu", ms=31.0, **auc(0.7502)),
-        cell("gpu_sharded", {"sharding": "table_wise"}, ms=9.8, device=2.19, **auc(0.7502)),
-        cell("freqcache", {"cache_ratio": 0.01, "policy": "lfu"}, ms=16.4, device=0.33, **auc(0.7502)),
-        cell("freqcache", {"cache_ratio": 0.05, "policy": "lfu"}, ms=12.2, device=0.48, **auc(0.7502)),
-        cell("fae", {"hot_ratio": 0.05, "profile_fraction": 0.2}, ms=13.1, device=0.41, **auc(0.7481)),
+        cell("gpu_sharded", {"sharding": "table_wise"}, ms=9.8, **auc(0.7502)),
+        cell("freqcache", {"cache_ratio": 0.01, "policy": "lfu"}, ms=16.4, **auc(0.7502)),
+        cell("freqcache", {"cache_ratio": 0.05, "policy": "lfu"}, ms=12.2, **auc(0.7502)),
+        cell("fae", {"hot_ratio": 0.05, "profile_fraction": 0.2}, ms=13.1, **auc(0.7481)),
+        cell("sfctr", {"cache_ratio": 0.15, "pipeline_depth": 2}, ms=14.0, **auc(0.7502)),
         make_record("uvm", status="unsupported", message="needs CUDA"),
     ]
     monkeypatch.chdir(tmp_path)

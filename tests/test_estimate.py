@@ -26,6 +26,12 @@ CPU = torch.device("cpu")
 STEP_S, BATCH_S = 0.02, 0.005  # a calibration's result, where a test fixes it
 
 
+@pytest.fixture(autouse=True)
+def fresh_calibrations(monkeypatch):
+    """Each test calibrates anew (a process keeps its calibrations, shared by scales)."""
+    monkeypatch.setattr(estimate, "_CALIBRATIONS", {}, raising=False)
+
+
 @pytest.fixture
 def fixed_calibration(monkeypatch):
     """Calibrated steps take STEP_S and batches BATCH_S (the model is under test, not the machine)."""
@@ -163,7 +169,8 @@ def test_the_suggested_scale_states_its_time_and_fewer_steps_when_it_would_hit_t
     path = _write(tmp_path, raw)
     scenario, cells = parse_scenario(raw, str(path))
     need = max(launch.memory_preflight(scenario, c, CPU)[0]["host"] for c in cells)
-    monkeypatch.setattr(launch, "_free_host_bytes", lambda: (need // 3, "a test's reading"))
+    free = int((launch.RANK_PROCESS_BYTES["cpu"] + need // 3) / (1 - launch.HOST_HEADROOM))  # a third of the tables
+    monkeypatch.setattr(launch, "_free_host_bytes", lambda: (free, "a test's reading"))
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     command, time_line = _suggested(out, "at a scale that fits them all, run")
@@ -172,6 +179,7 @@ def test_the_suggested_scale_states_its_time_and_fewer_steps_when_it_would_hit_t
 
     # steps that take 1 s each: 1 + 2 x 40 + 2 trained steps are past the 30 s limit; fewer steps fit
     monkeypatch.setattr(estimate, "_calibrated_step", lambda *a: (1.0, 0.0, (1.0, 1.0)))
+    estimate._CALIBRATIONS.clear()  # (this process calibrated the shape above)
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"estimated .*; 2 past run.time_limit_s \(30 s\)", out)
@@ -180,3 +188,30 @@ def test_the_suggested_scale_states_its_time_and_fewer_steps_when_it_would_hit_t
     assert steps < 40 and "past run.time_limit_s" not in time_line
     smaller, cells = load_scenario(path, scale=_flag(command, "--scale"), steps=steps)
     assert all(t.seconds <= 30 for t in estimate.cell_times(smaller, cells, [], CPU, lambda c: None))
+
+
+def test_one_calibration_serves_every_scale_so_the_estimate_grows_with_the_tables(monkeypatch):
+    """Issue 49, point 3: a machine's load between two calibrations made --scale 0.0001 look longer
+    than --scale 0.2; a shape is calibrated once, and only the build grows with the tables."""
+    calls = []
+    monkeypatch.setattr(estimate, "_calibrated_step", lambda *a: calls.append(a) or (STEP_S / len(calls), BATCH_S,
+                                                                                      (STEP_S, STEP_S)))
+    scales = [0.0001, 0.001, 0.01, 0.05]
+    times = [_times(tiny_scenario(data={"scale": s}, strategies=[{"name": "device"}]))[0] for s in scales]
+    assert len(calls) == 1  # without the shared calibration, each later one here is faster
+    assert all(a.seconds < b.seconds and a.steps_s == b.steps_s for a, b in zip(times, times[1:]))
+
+
+def test_a_cell_measured_on_smaller_tables_is_a_floor_for_larger_ones(tmp_path, fixed_calibration):
+    """Issue 49, point 3: a run at --scale 0.0001 (slow steps, recorded) made that scale look
+    longer than --scale 0.2, estimated from the calibration's floor alone."""
+    small_raw, large_raw = (tiny_scenario(data={"scale": s}, strategies=[{"name": "device"}]) for s in (0.0002, 0.002))
+    small, _ = parse_scenario(small_raw, "t.yaml")
+    run = write_run(tmp_path / "tiny-small", [_earlier(small, step=0.5, build_seconds=2.0)])
+    (measured,) = _times(small_raw, [run])
+    (larger,) = _times(large_raw, [run])
+    assert measured.source == "run tiny-small"
+    assert larger.seconds >= measured.seconds and larger.source == "scaled up from run tiny-small" and larger.floor
+    assert "at --scale 0.0002: a floor" in larger.detail
+    (alone,) = _times(large_raw)  # without the record: the calibration's floor, far below
+    assert alone.seconds < measured.seconds

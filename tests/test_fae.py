@@ -146,6 +146,7 @@ def test_counters_follow_the_schedule_on_a_golden_run(tmp_path):
     assert c["host_syncs"] == 0  # the copy back waits for the device on CUDA only
 
 
+@pytest.mark.slow
 def test_a_hot_set_too_small_for_the_skew_is_said_in_the_record(tmp_path):
     raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "fae", "params": {"hot_ratio": 0.0005}}])
     scenario, cells = parse_scenario(raw, "t")
@@ -165,6 +166,7 @@ def test_fae_cannot_run_on_several_ranks_and_says_why():
 @settings(max_examples=30, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(["hot", "cold", "eval"]), st.lists(st.integers(0, 29), min_size=4,
                                                                                    max_size=4)), max_size=10))
+@pytest.mark.slow
 def test_the_two_copies_of_a_hot_row_stay_consistent_through_switches_and_evaluation(steps):
     hot_rows = torch.tensor([0, 1, 2, 3, 30, 31])  # rows 0-3 of table 0, rows 0-1 of table 1
     plan = FaePlan(hot_rows=hot_rows, hot_samples=0, samples=1, profiled_samples=1, hot_batches=0, cold_batches=0)

@@ -56,6 +56,7 @@ def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
 @given(opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), dram_ratio=st.sampled_from([0.45, 0.7, 1.0]),
        prefetch_depth=st.integers(0, 3), seed=st.integers(0, 1000), dim=st.sampled_from([4, 8, 40]),
        precision=st.sampled_from(ROW_PRECISIONS))
+@pytest.mark.slow
 def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
                                                                     precision):
     per_page = 4096 // row_type(precision).row_bytes(dim, int(opt_type == "rowwise_adagrad"))

@@ -90,6 +90,7 @@ def _check_maps(cache: FreqCache) -> None:
        ratio=st.sampled_from([1e-6, 0.1, 0.3, 1.0]), policy=st.sampled_from(["static", "lfu"]),
        admission=st.sampled_from(["all", "tinylfu"]), prefetch=st.booleans(), lookahead=st.integers(0, 3),
        decay=st.sampled_from([0, 1, 3]), profile=st.integers(0, 2))
+@pytest.mark.slow
 def test_freqcache_trains_exactly_like_whole_tables(stream, opt_type, ratio, policy, admission, prefetch, lookahead,
                                                      decay, profile):
     tables, batches = stream
@@ -463,6 +464,7 @@ def _steady_counted(compile_: bool, batch: int, steps: int = 14, counted: range 
             counter.ops / len(counted), cache.extra_metrics())
 
 
+@pytest.mark.slow
 def test_compiled_steps_train_exactly_like_eager_ones_with_fewer_operators_the_same_at_any_batch():
     """compile: true fuses the steady-state steps (window entry, plan with its early moves, late
     moves): the same outputs and tables as whole tables, fewer ATen operators a step than
@@ -553,38 +555,48 @@ def test_a_compiled_plan_whose_moves_fail_plans_its_batch_once_and_says_why(monk
     assert "failed" not in cache._compile_note
 
 
-def test_the_forward_waits_for_no_window_entry_only_for_the_late_moves(monkeypatch):
-    """A steady step (look-ahead, forward, prefetch): the batches entering the window are queued
-    after the forward joins the side stream, so the lookup and the dense forward wait only for
-    the late moves; the plan of the next batch still sees them (issue 42, item 2)."""
-    tables = [TableSpec("t0", 60, 4, 2, 1.0)]
-    batches = [SparseFeatures(torch.randint(0, 60, (8,), generator=torch.Generator().manual_seed(i)),
-                              torch.full((4,), 2), 1) for i in range(12)]
-    cache = FreqCache(_context(tables, EmbeddingOptimizer(type="sgd", lr=0.1), batches),
-                      FreqCacheParams(cache_ratio=0.2, lookahead=3, belady_steps=0))
+def _runner_training(raw: dict, params: dict):
+    """A cell built as the runner builds it (on the CPU), ready for its training steps."""
+    from embbench import runner
+    from embbench.scenario import Cell, parse_scenario
 
-    def step(i):
-        cache.look_ahead(batches[i + 1 : i + 4])
-        out = cache(batches[i])
-        cache.prefetch(batches[i + 1])
-        return out
+    scenario, _ = parse_scenario(raw, "test")
+    return runner._build(scenario, Cell("freqcache", params, 1, "fp32"), RuntimeEnv(torch.device("cpu")), None,
+                         None, False, runner._Progress(None, 0))
 
-    for i in range(4):
-        step(i).sum().backward()
-    log = []
-    device_step, join = cache._device_step, cache._join_side
+
+def test_the_host_launches_the_lookup_before_any_side_stream_work_and_the_plan_after_the_dense_forward(monkeypatch):
+    """The host's launch order in a steady training step (the runner's, look-ahead to end): the
+    lookup comes before any of the side stream's work (the late moves it needs were queued
+    after the step before's backward; the window's entries after it), the next batch's plan
+    after the dense forward, the late moves of that plan after this step's backward
+    (issue 47, item 5: 16 launches, a graph launch among them, delayed the dense forward)."""
+    import embbench.cache.freqcache as freqcache_module
+
+    training = _runner_training(tiny_scenario(run={"warmup_steps": 0, "steps": 8, "repeats": 1}),
+                                {"cache_ratio": 0.05, "lookahead": 3, "belady_steps": 0})
+    cache = training.sparse
+    log: list[str] = []
+    lookup, on_side, device_step = freqcache_module.pooled_lookup, cache._on_side, cache._device_step
+    monkeypatch.setattr(freqcache_module, "pooled_lookup", lambda *a, **k: (log.append("lookup"), lookup(*a, **k))[1])
+    monkeypatch.setattr(cache, "_on_side", lambda: (log.append("side"), on_side())[1])
     monkeypatch.setattr(cache, "_device_step", lambda name, *a, **k: (log.append(name), device_step(name, *a, **k))[1])
-    monkeypatch.setattr(cache, "_join_side", lambda: (log.append("join"), join())[1])
-    cache.look_ahead(batches[5:8])
-    assert log == [], "look_ahead queued device work before the forward"
-    out = cache(batches[4])
-    assert log[: log.index("join")] == ["late"] and "enter" in log[log.index("join"):], log
+    training.model.register_forward_hook(lambda *_: log.append("dense"))
+    training.model.register_full_backward_hook(lambda *_: log.append("backward"))
+    for _ in range(4):
+        training.prepare()
+        training.train_step()
+        training.step_index += 1
     log.clear()
-    cache.prefetch(batches[5])
-    assert log == ["plan"], log  # the entries were queued before it, in the forward
-    out.sum().backward()
+    training.prepare()
+    training.train_step()
+    assert log.index("lookup") < log.index("side"), log
+    assert log.index("lookup") < log.index("enter") < log.index("dense") < log.index("plan") < log.index("late"), log
+    assert log.index("backward") < log.index("late"), log
+    assert log.count("lookup") == 1 and log.count("plan") == 1 and log.count("late") == 1, log
 
 
+@pytest.mark.slow
 def test_with_a_warm_up_bound_timing_starts_once_the_cache_has_no_empty_slot_to_fill(tmp_path):
     """Until its empty slots are full a cache loads without evicting or writing back: cheaper
     than its steady state (issue 42, item 5). The warm-up goes on until none is left (or its
@@ -596,3 +608,60 @@ def test_with_a_warm_up_bound_timing_starts_once_the_cache_has_no_empty_slot_to_
     assert unbounded["warmup_steps_run"] == 2 and unbounded["empty_slots_at_timing"] > 0  # said, not hidden
     assert metrics["warmup_steps_run"] > 2  # (here the Zipf tail fills a few slots a step up to the bound)
     assert metrics["empty_slots_at_timing"] < unbounded["empty_slots_at_timing"]
+
+
+def test_captured_late_moves_read_the_captured_plan_s_lists_in_place_with_no_input_copy(monkeypatch):
+    """With the steps captured (CUDA graphs, emulated here: a replay runs the step on the static
+    inputs and leaves its outputs in the same tensors every time), the late moves' graph is
+    captured on the plan graph's own move lists: its replays copy no input, and the plan's
+    outputs are copied only for the slots (issue 47, item 5: six input copies and seven clones a
+    step). Training still equals whole tables, so no list was overwritten before its moves."""
+    import embbench.cache.freqcache as freqcache_module
+    from embbench.data import Stream, SyntheticCriteo
+
+    class EmulatedGraph(freqcache_module.CapturedStep):
+        def _capture(self, step):
+            self._step = step
+            return None
+
+        def _replay(self):
+            out = self._step(*self.inputs)
+            if self.output is None:
+                self.output = out
+            elif out is not None:
+                for kept, new in zip(self.output, out, strict=True):
+                    kept.copy_(new)
+
+    monkeypatch.setattr(freqcache_module, "CapturedStep", EmulatedGraph)
+    clones = []
+    clone = torch.Tensor.clone
+    tables = [TableSpec("t0", 3000, 8, 2, 1.05), TableSpec("t1", 500, 8, 1, 1.1)]
+    data = SyntheticCriteo(tables, 0)
+    batches = [data.batch(Stream.TRAIN, i, 16).sparse for i in range(14)]
+    opt = EmbeddingOptimizer(type="rowwise_adagrad", lr=0.2)
+    cache = FreqCache(_context(tables, opt, batches),
+                      FreqCacheParams(cache_ratio=0.02, lookahead=4, profile_batches=2, belady_steps=0))
+    cache._graphs_on = True  # as on CUDA
+    reference = WholeTables(_context(tables, opt, batches))
+    g = torch.Generator().manual_seed(7)
+    got = []
+    for i, features in enumerate(batches):
+        cache.look_ahead(batches[i + 1 : i + 1 + cache.lookahead])
+        out = cache(features)
+        if i + 1 < len(batches):
+            if i == 10:  # a steady step's clones of the plan's outputs
+                monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: (clones.append(t), clone(t, *a, **k))[1])
+            cache.prefetch(batches[i + 1])
+            monkeypatch.setattr(torch.Tensor, "clone", clone)
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        cache.after_backward()
+        cache.end_step()
+        got.append(out.detach())
+    for a, b in zip(got, _train(reference, batches, prefetch=False), strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(cache.flush(), reference.flush(), strict=True):
+        torch.testing.assert_close(a, b)
+    plan, late = cache._captured["plan"], cache._captured["late"]
+    assert all(a is b for a, b in zip(late.inputs, plan.output[1:], strict=True))
+    assert late.input_copies == 0 and plan.input_copies > 0
+    assert [t is plan.output[0] for t in clones] == [True], "the plan's outputs but its slots were copied"

@@ -206,6 +206,7 @@ def test_device_trained_on_another_strategys_schedule_ends_with_its_weights(hook
     assert any(not torch.allclose(a, b) for a, b in zip(plain_weights, reversed_weights))
 
 
+@pytest.mark.slow
 def test_a_reordered_strategy_is_compared_by_accuracy_not_weights(hook_plugins, tmp_path):
     raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "reverser"}])
     scenario, cells = parse_scenario(raw, "t")
@@ -222,6 +223,7 @@ def test_a_bad_schedule_is_a_clear_error(hook_plugins):
         run_cell(scenario, Cell("device"), CPU, schedule=Schedule(torch.arange(5)))
 
 
+@pytest.mark.slow
 def test_a_nan_loss_is_recorded_as_diverged_with_its_step(hook_plugins, tmp_path):
     raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "nan_maker"}])
     scenario, cells = parse_scenario(raw, "t")
@@ -233,6 +235,7 @@ def test_a_nan_loss_is_recorded_as_diverged_with_its_step(hook_plugins, tmp_path
 
 @pytest.mark.parametrize("strategy, message", [("nan_in_eval", "the evaluation logits hold 64 non-finite"),
                                                ("nan_in_weights", "the trained weights of table 1 hold 1 non-finite")])
+@pytest.mark.slow
 def test_non_finite_outputs_or_weights_after_a_finite_loss_are_recorded_as_diverged(hook_plugins, tmp_path, strategy,
                                                                                       message):
     raw = tiny_scenario(strategies=[{"name": "device"}, {"name": strategy}])
@@ -252,6 +255,7 @@ def test_a_strategy_output_off_the_contract_is_named(hook_plugins, strategy, got
     assert str(caught.value) == expected
 
 
+@pytest.mark.slow
 def test_a_wrong_shape_is_the_cells_error_and_the_other_cells_run(hook_plugins, tmp_path):
     raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "bad_shape"}, {"name": "cpu"}])
     scenario, cells = parse_scenario(raw, "t")
@@ -261,6 +265,7 @@ def test_a_wrong_shape_is_the_cells_error_and_the_other_cells_run(hook_plugins, 
     assert "strategy bad_shape returned [64, 3]; expected float32 [64, 208]" in records["bad_shape"].message
 
 
+@pytest.mark.slow
 def test_warm_up_runs_until_the_miss_rate_stops_falling():
     assert not warmed_up([]) and warmed_up([None])
     assert not warmed_up([0.5]) and not warmed_up([0.5, 0.3]) and warmed_up([0.5, 0.3, 0.299])
@@ -277,6 +282,7 @@ def test_warm_up_runs_until_the_miss_rate_stops_falling():
     assert cache["empty_slots_at_timing"] >= 0
 
 
+@pytest.mark.slow
 def test_every_record_counts_operators_and_can_carry_a_profile(tmp_path):
     raw = tiny_scenario(strategies=[{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.05}}])
     scenario, cells = parse_scenario(raw, "t")

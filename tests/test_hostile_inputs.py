@@ -444,15 +444,24 @@ def _wait(condition, timeout: float = 30.0) -> bool:
     return False
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's default restored in the child: a shell ignores SIGINT in the jobs it starts in
+    the background, and Python then never raises KeyboardInterrupt, so the suite run with `&`
+    would test nohup's behaviour, not a user's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
+@pytest.mark.slow
 def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tmp_path, plugin_path, sig):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     raw = tiny_scenario(run={"time_limit_s": 600}, strategies=[{"name": "sleeps"}], baseline="sleeps")
     harness = subprocess.Popen([sys.executable, "-m", "embbench.cli", "run", str(_write(tmp_path, raw)),
                                 "--out", str(tmp_path / "run")], cwd=ROOT, env=dict(os.environ, TMPDIR=str(scratch)),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_as_from_a_terminal)
     try:
         def ranks() -> list[int]:  # forked by the cell server, itself one of the harness's processes
             workers = _worker_pids(str(scratch), harness.pid)
@@ -481,6 +490,7 @@ def test_a_killed_harness_takes_its_hung_worker_and_scratch_directory_with_it(tm
 # --- under torchrun (class 9) ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_killed_rank_fails_its_cell_and_the_rest_are_recorded_not_run(tmp_path, rank_plugin):
     raw = tiny_scenario(run={"world_size": 2, "time_limit_s": 600},
                         strategies=[{"name": "rank1_dies"}, {"name": "device"}], baseline="rank1_dies")

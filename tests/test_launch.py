@@ -12,6 +12,7 @@ from tests.conftest import tiny_scenario
 from tests.record_factory import make_record
 
 
+@pytest.mark.slow
 def test_a_failing_and_a_hanging_cell_are_recorded_and_the_next_cell_runs(tmp_path, plugin_path):
     raw = tiny_scenario(
         run={"time_limit_s": 600},  # no healthy cell comes near it, however slow the machine
@@ -54,6 +55,7 @@ def test_an_exact_strategy_s_losses_are_compared_with_the_baseline_s_only_over_t
     assert _loss_diffs(longer, device) == {} and _loss_diffs(device, device) == {} and _loss_diffs(cache, None) == {}
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_cells(tmp_path):
     raw = tiny_scenario()
     scenario, cells = parse_scenario(raw, "tiny.yaml")
@@ -94,6 +96,7 @@ def test_a_plugin_that_is_not_a_strategy_is_rejected_naming_it(tmp_path, monkeyp
         load_strategies.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_cuda_cell_runs_each_rank_in_a_fresh_interpreter(tmp_path, monkeypatch):
     """Forked ranks cannot use CUDA once the server initialised its driver (importing fbgemm_gpu
     does): where the cell's device is CUDA, each rank is `python -m embbench.runner`."""

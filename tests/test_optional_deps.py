@@ -49,6 +49,7 @@ def test_a_command_whose_library_is_missing_fails_in_one_line(tmp_path, capsys, 
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.slow
 def test_run_without_scipy_and_matplotlib_measures_and_says_what_is_missing(tmp_path):
     # As if not installed, in this run and the processes of its cells: the path finder finds
     # neither (so libraries that probe for them, as torchmetrics does matplotlib, see nothing).

@@ -59,6 +59,7 @@ def _embbench(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, env=env)
 
 
+@pytest.mark.slow
 def test_strategies_lists_the_example_plugin_and_parameter_types_a_person_reads(example_plugin):
     proc = _embbench("strategies")
     assert proc.returncode == 0, proc.stderr

@@ -56,8 +56,9 @@ def test_free_host_memory_decides_for_host_resident_placements(monkeypatch, tmp_
     raw["strategies"] = [{"name": "device"}, {"name": "cpu"}]
     scenario, cells = parse_scenario(raw, "1tb128.yaml")
     _, refused = memory_preflight(scenario, Cell("cpu"), torch.device("cuda"))
-    assert refused.startswith("not attempted: estimated 85.5 GiB of host memory (1 rank(s) x 85.51 GiB), this "
-                              "machine has 60.0 GiB free (room under the cgroup's memory limit; 128.0 GiB in all)")
+    assert refused.startswith("not attempted: estimated 87.5 GiB of host memory (1 rank(s) x 85.51 GiB + 2.00 GiB a "
+                              "rank's process), this machine has 60.0 GiB free (room under the cgroup's memory limit; "
+                              "128.0 GiB in all), of which a cell may take 90%")
     # run_cells records both as oom with the numbers, launching nothing
     monkeypatch.setattr(launch, "resolve_device", lambda requested: torch.device("cuda"))
     monkeypatch.setattr(launch, "_plugin_refusal", lambda cell, env: None)
@@ -122,5 +123,22 @@ def test_pinned_host_memory_beyond_the_host_s_free_memory_is_refused_with_the_nu
     monkeypatch.setattr(Cell, "make_strategy", lambda self: SimpleNamespace(
         estimate_memory=lambda *a: MemoryFootprint(device_bytes=GiB, pinned_bytes=50 * GiB)))
     _, refused = memory_preflight(scenario, cell, torch.device("cuda"))
-    assert refused.startswith("not attempted: estimated 50.0 GiB of host memory (1 rank(s) x 50.00 GiB, 50.00 GiB of "
-                              "it pinned), this machine has 40.0 GiB free (MemAvailable; 64.0 GiB in all)"), refused
+    assert refused.startswith("not attempted: estimated 52.0 GiB of host memory (1 rank(s) x 50.00 GiB, 50.00 GiB of "
+                              "it pinned + 2.00 GiB a rank's process), this machine has 40.0 GiB free (MemAvailable; "
+                              "64.0 GiB in all)"), refused
+
+
+def test_each_ranks_process_and_the_headroom_count_against_free_host_memory(monkeypatch):
+    """Issue 49, point 3: 8 ranks whose tables alone fit would fill the machine with their
+    interpreters and libraries; a cell leaves :data:`launch.HOST_HEADROOM` of the free memory."""
+    from embbench.strategy import MemoryFootprint
+
+    monkeypatch.setattr(Cell, "make_strategy", lambda self: SimpleNamespace(
+        estimate_memory=lambda *a: MemoryFootprint(device_bytes=0, host_bytes=2 * GiB)))
+    scenario, _ = parse_scenario(tiny_scenario(run={"world_size": 8}), "t.yaml")
+    process = launch.RANK_PROCESS_BYTES["cpu"]
+    need = 8 * (2 * GiB + process)
+    for free, fits in ((8 * 2 * GiB + 1, False), (need, False), (int(need / 0.9) + 1, True)):
+        monkeypatch.setattr(launch, "_free_host_bytes", lambda free=free: (free, "MemAvailable"))
+        _, refused = memory_preflight(scenario, Cell("device", world_size=8), torch.device("cpu"))
+        assert (refused is None) == fits, (free, refused)

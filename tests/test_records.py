@@ -126,6 +126,7 @@ _KEYS = [(name, path) for name, record in _REAL.items() for path in _paths(recor
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(_KEYS), how=st.sampled_from(_MUTATIONS))
+@pytest.mark.slow
 def test_any_mutation_of_a_record_is_rejected_by_name_or_shown_correctly(capsys, key, how):
     name, path = key
     cell_id = REAL_CELLS[name]

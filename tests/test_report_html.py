@@ -51,6 +51,7 @@ def report(tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_the_report_is_one_self_contained_file_with_tables_and_plots(report):
     text = report.read_text()
     # nothing fetched from elsewhere: every image is inline, the one script too, no sheet
@@ -79,6 +80,7 @@ def _tables(text: str) -> list[str]:
     return re.findall(r'<table class="sortable">.*?</table>', text, re.S)
 
 
+@pytest.mark.slow
 def test_the_results_are_html_tables_with_a_row_per_cell_and_sort_values(report):
     text = report.read_text()
     assert '<pre class="rich">' not in text.split("<h2>Top operators")[0]  # only the profiles stay rich text

@@ -72,6 +72,7 @@ def test_a_move_copies_only_the_live_entries_of_its_part_in_both_directions(devi
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "fp8"])
+@pytest.mark.slow
 def test_freqcache_with_the_kernel_s_moves_trains_like_with_torch_s(device, precision, monkeypatch):
     tables = [TableSpec("t0", 300, 8, 2, 1.1), TableSpec("t1", 40, 8, 1, 1.1)]
     g = torch.Generator().manual_seed(3)

@@ -14,6 +14,7 @@ from embbench.data.weights import initial_weights
 from embbench.embedding import RoundedRowStore, pooled_lookup
 from embbench.launch import CellOutcome, outcome_without_launch, run_cells
 from embbench.optim import EmbeddingOptimizer
+from embbench.report import comparison_grid
 from embbench.row_precision import ROW_PRECISIONS, row_type, stochastic_round, uniform_keyed
 from embbench.runner import run_cell
 from embbench.scenario import ScenarioError, parse_scenario
@@ -124,6 +125,7 @@ SHORT = tiny_scenario(run={"warmup_steps": 1, "steps": 3, "repeats": 1, "eval_ba
 
 
 @pytest.mark.parametrize("precision", LOW)
+@pytest.mark.slow
 def test_freqcache_trains_the_same_weights_as_device_in_every_row_type(precision, tmp_path):
     """Both round the same update of a row with the same draws (keyed by its global row), so
     the cache's moves change nothing: equal to the bit, not within a bound."""
@@ -145,6 +147,7 @@ def _in_process(scenario):
     return execute
 
 
+@pytest.mark.slow
 def test_records_carry_the_precision_bytes_and_distance_from_fp32_and_refuse_what_a_strategy_cannot_store(tmp_path):
     raw = {**SHORT, "run": {**SHORT["run"], "row_precision": ["fp16", "fp32", "bf16"]},
            "strategies": [{"name": "device"}, {"name": "fae", "params": {"hot_bytes": 4096}}]}
@@ -166,6 +169,31 @@ def test_records_carry_the_precision_bytes_and_distance_from_fp32_and_refuse_wha
     assert refused.message == "row_precision fp16: fae stores rows in fp32 only"
     assert records["fae[hot_bytes=4096]@w1"].status == "ok"
     assert (tmp_path / "device@w1@fp16.json").exists()  # the id is the file name
+
+
+@pytest.mark.slow  # four cells of a scenario
+def test_a_rounded_cell_s_weights_are_compared_with_the_baseline_in_its_own_precision(tmp_path):
+    """max_weight_diff_vs_baseline of a fp16 cell is from the fp32 baseline (rounding); the
+    exactness of freqcache against device in fp16 shows in its own field: 0, as it trains
+    device's fp16 weights to the bit. Where the baseline has no weights in that precision, the
+    record says why (issue 50, point 12); report's max |Δw| column shows it."""
+    raw = {**SHORT, "run": {**SHORT["run"], "row_precision": ["fp32", "fp16"]},
+           "strategies": [{"name": "device"}, {"name": "freqcache", "params": {"cache_ratio": 0.1}}]}
+    scenario, cells = parse_scenario(raw, "t.yaml")
+    records = {r.cell_id: r for r in run_cells(scenario, "t.yaml", cells, tmp_path, execute=_in_process(scenario))}
+    cache = records["freqcache[cache_ratio=0.1]@w1@fp16"]
+    assert cache.metrics["max_weight_diff_vs_baseline"] > 0  # from device in fp32
+    assert cache.metrics["max_weight_diff_vs_baseline_same_precision"] == 0.0
+    assert flat_row(cache)["max_weight_diff_vs_baseline_same_precision"] == 0.0
+    for cell_id in ("device@w1", "device@w1@fp16", "freqcache[cache_ratio=0.1]@w1"):  # the reference, or fp32
+        assert not {"max_weight_diff_vs_baseline_same_precision", "weights_not_compared_same_precision"} & set(
+            records[cell_id].metrics)
+    assert comparison_grid([cache]).rows[0].sort["max_dw"] == 0.0
+    from embbench.launch import _same_precision_diff
+
+    assert _same_precision_diff(cache, None, "device in bf16", tmp_path) == {
+        "weights_not_compared_same_precision": "no flushed weights of device in bf16 in this run (not among its cells, "
+                                               "or it did not end ok)"}
 
 
 def test_fp32_ids_and_digests_do_not_change_and_bad_precisions_are_named():

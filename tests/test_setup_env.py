@@ -61,8 +61,8 @@ def test_a_cuda_torch_without_a_driver_gets_the_cpu_fbgemm(tmp_path):
 def test_a_driver_gets_the_cuda_fbgemm_and_each_step_says_what_it_installs(tmp_path):
     log, calls = _setup(tmp_path, driver=True)
     assert any("fbgemm-gpu==1.6.*" in c for c in calls) and not any("fbgemm-gpu-cpu" in c for c in calls), calls
-    for step in ("[1/5]", "[2/5] torch is installed", "[3/5] installing fbgemm-gpu 1.6.*", "[4/5] installing torchrec 1.6.*",
-                 "[5/5] installing embbench"):
+    for step in ("[1/7]", "[2/7] torch is installed", "[3/7] installing fbgemm-gpu 1.6.*", "[4/7] installing torchrec 1.6.*",
+                 "[5/7] installing embbench", "[7/7] triton is installed"):
         assert step in log, log
     assert "Downloading a-wheel.whl (10 MB)" in log and "Requirement already satisfied" not in log
 
@@ -71,4 +71,4 @@ def test_the_example_plugin_is_installed_editable_as_a_user_installs_one(tmp_pat
     log, calls = _setup(tmp_path, driver=False)
     example = ROOT / "examples" / "embbench-plugin-example"
     assert any(c.endswith(f"--no-deps --no-build-isolation -e {example}") for c in calls), calls
-    assert f"[5/5] installing the example plugin {example}" in log
+    assert f"[6/7] installing the example plugin {example}" in log

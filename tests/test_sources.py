@@ -264,6 +264,7 @@ def test_the_drift_key_is_the_generators_drift():
 @pytest.mark.parametrize("strategy, params", [
     ("cpu", {}), ("freqcache", {"cache_ratio": 0.3}), ("colossalai", {"cache_ratio": 0.5, "optimizer_state": "row"}),
 ])
+@pytest.mark.slow
 def test_multi_hot_bags_and_dcnv2_train_every_cpu_placement_like_device(tmp_path, strategy, params):
     # Smaller steps than TINY's: sums of multi-hot bags through cross layers overflow at lr 0.1.
     raw = tiny_scenario(data={"preset": "mlperf_dcnv2", "scale": 0.0001},

@@ -6,17 +6,21 @@ update is given, never inferred from the results."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from baselines.tables import WholeTables
-from embbench import row_update
+from embbench import embedding, row_update
 from embbench.cache import FreqCache, FreqCacheParams
 from embbench.data import SparseFeatures, TableSpec
-from embbench.embedding import RowStore, pooled_lookup
+from embbench.embedding import RoundedRowStore, RowStore, pooled_lookup, stored_rows
 from embbench.optim import EmbeddingOptimizer, aggregate_rows_padded
+from embbench.row_precision import row_type
 from embbench.scenario import parse_scenario
 from tests.conftest import tiny_scenario, train_and_flush
 from tests.test_freqcache import _context, _train
@@ -30,9 +34,9 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def interpreted(monkeypatch):
     """The Triton kernel built afresh under its interpreter (the CPU runs it with numpy)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(row_update, "_kernel", None)
+    monkeypatch.setattr(row_update, "_kernels", {})
     yield
-    monkeypatch.setattr(row_update, "_kernel", None)
+    monkeypatch.setattr(row_update, "_kernels", {})
 
 
 @pytest.fixture(params=["cpu", "cuda"])
@@ -42,9 +46,9 @@ def kernel_device(request, monkeypatch):
         pytest.skip("needs CUDA")
     if request.param == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(row_update, "_kernel", None)
+    monkeypatch.setattr(row_update, "_kernels", {})
     yield torch.device(request.param)
-    monkeypatch.setattr(row_update, "_kernel", None)
+    monkeypatch.setattr(row_update, "_kernels", {})
 
 
 @needs_triton
@@ -69,6 +73,75 @@ def test_the_triton_update_is_torch_s_on_the_distinct_rows_and_touches_no_other(
     assert torch.equal(weights[untouched], expected_w[untouched])  # bit for bit: never written
 
 
+@needs_triton
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # set once
+@given(ids=st.lists(st.integers(0, 24), min_size=1, max_size=40), dim=st.sampled_from([1, 5, 16, 37]),
+       precision=st.sampled_from(["fp16", "bf16", "fp8"]), opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]),
+       seed=st.integers(0, 2**16))
+def test_the_rounded_row_kernel_stores_torch_s_bits_on_the_distinct_rows_only(ids, dim, precision, opt_type, seed,
+                                                                               kernel_device):
+    """fp16/bf16/fp8 rows through the kernel: decoded, stepped and stochastically rounded with
+    the keyed stream there, bit for bit what torch's path stores over every padded entry (rows
+    of magnitudes from subnormal to beyond fp16's range, rounding keys that are not the rows);
+    rows not in the batch untouched; one update entry a distinct row (issue 47, item 4)."""
+    g = torch.Generator().manual_seed(seed)
+    kind, opt = row_type(precision), EmbeddingOptimizer(type=opt_type, lr=0.3)
+    magnitude = 10.0 ** torch.randint(-41, 6, (25, 1), generator=g)
+    stored, scale = kind.encode(torch.randn(25, dim, generator=g) * magnitude, None)
+    extras = torch.zeros(25, kind.extras(opt.state_width))
+    if scale is not None:
+        extras[:, :1] = scale
+    extras[:, int(kind.scaled):] = torch.rand(25, opt.state_width, generator=g)
+    stores = []
+    for kernel in (False, True):
+        store = RoundedRowStore(stored.clone().to(kernel_device), extras.clone().to(kernel_device), opt, kind, seed=5)
+        store.padded_aggregation, store.update_kernel = True, kernel
+        stores.append(store)
+    rows = torch.tensor(ids, device=kernel_device)
+    offsets = torch.tensor([0, len(ids) // 2, len(ids)], device=kernel_device)
+    for _ in range(2):
+        grad = (torch.randn(2, dim, generator=g) * 10.0 ** torch.randint(-6, 3, (2, 1), generator=g)).to(kernel_device)
+        for store in stores:
+            (pooled_lookup(store, rows, offsets, kernel_device, keys=rows * 7 + 3) * grad).sum().backward()
+    torch_path, kernel_path = stores
+    assert torch.equal(kernel_path.weights.view(torch.uint8), torch_path.weights.view(torch.uint8))
+    assert torch.equal(kernel_path.extras, torch_path.extras)
+    untouched = torch.ones(25, dtype=torch.bool)
+    untouched[rows.cpu()] = False
+    assert torch.equal(kernel_path.weights.cpu().view(torch.uint8)[untouched], stored.view(torch.uint8)[untouched])
+    assert kernel_path.work_counters()["update_entries"] == 2 * len(set(ids))
+    assert torch_path.work_counters()["update_entries"] == 2 * len(ids)
+
+
+_PTX_OF_THE_ROUNDED_KERNEL = """
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from embbench.rounded_row_kernel import update_rounded_rows
+from embbench.row_update import ROUNDED_KERNEL_OPTIONS
+types = {"weights": "*u8", "w_stride": "i32", "extras": "*fp32", "x_stride": "i32", "rows": "*i64", "keys": "*i64",
+         "grads": "*fp32", "distinct": "*i64", "n": "i32", "dim": "i32", "lr": "fp32", "eps": "fp32", "key": "i64",
+         "max_value": "fp32"}
+constants = {"ADAGRAD": True, "FORMAT": 2, "MANTISSA": 3, "MIN_EXP": -6, "SCALED": True, "ROWS": 32, "LANES": 16}
+source = ASTSource(update_rounded_rows, types | dict.fromkeys(constants, "constexpr"), constants)
+print(compile(source, target=GPUTarget("cuda", 90, 32), options=ROUNDED_KERNEL_OPTIONS).asm["ptx"])
+"""
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel runs compiled against torch (above)")
+@pytest.mark.slow  # a subprocess (triton without its interpreter): about 5 s
+def test_the_rounded_row_kernel_compiles_for_an_h100_without_fused_or_approximate_arithmetic():
+    """Without a GPU, what makes the compiled kernel store torch's bits: its PTX (sm_90, built
+    here, in a process without the interpreter) has no fused multiply-add, and divides and takes
+    square roots correctly rounded (fp8 and Adagrad: every operation the kernel has)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ptx = subprocess.run([sys.executable, "-c", _PTX_OF_THE_ROUNDED_KERNEL], env=env, capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
+    assert [op for op in ("fma.", "div.full", "div.approx", "sqrt.approx", "ex2.approx") if op in ptx] == []
+
+
 def _batches(tables, count: int, seed: int = 0) -> list[SparseFeatures]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -79,13 +152,22 @@ def _batches(tables, count: int, seed: int = 0) -> list[SparseFeatures]:
 
 
 @needs_triton
-@pytest.mark.parametrize("opt_type", ["sgd", "rowwise_adagrad"])
-def test_with_the_triton_update_device_and_freqcache_train_alike_and_update_each_row_once(opt_type, interpreted):
-    """The kernel path against torch's: within float32 rounding; device against freqcache (both
-    through the kernel): bit for bit. Its update entries are the distinct rows (<= 1.25x)."""
+@pytest.mark.parametrize("opt_type,precision", [("sgd", "fp32"), ("rowwise_adagrad", "fp32"), ("rowwise_adagrad", "fp16"),
+                                                ("sgd", "bf16"), ("rowwise_adagrad", "fp8")])
+def test_with_the_triton_update_device_and_freqcache_train_alike_and_update_each_row_once(opt_type, precision,
+                                                                                          interpreted, monkeypatch):
+    """The kernel path against torch's: within float32 rounding for fp32 rows, bit for bit for
+    rounded ones; device against freqcache (both through the kernel): bit for bit. Its update
+    entries are the distinct rows, in every precision; where the kernel runs compiled (CUDA
+    with Triton) it is the default for every precision."""
     tables = [TableSpec("t0", 60, 4, 2, 1.0), TableSpec("t1", 20, 4, 1, 1.0)]
     batches = _batches(tables, 6)
     opt = EmbeddingOptimizer(type=opt_type, lr=0.2)
+
+    def context():
+        ctx = _context(tables, opt, batches)
+        ctx.row_precision = precision
+        return ctx
 
     def trained(module, kernel: bool):
         module.store.padded_aggregation, module.store.update_kernel = True, kernel
@@ -94,18 +176,24 @@ def test_with_the_triton_update_device_and_freqcache_train_alike_and_update_each
         return outputs, module.flush(), module.counters()
 
     params = FreqCacheParams(cache_ratio=0.2, profile_batches=2, belady_steps=0)
-    torch_path = trained(WholeTables(_context(tables, opt, batches)), kernel=False)
-    device = trained(WholeTables(_context(tables, opt, batches)), kernel=True)
-    cache = trained(FreqCache(_context(tables, opt, batches), params), kernel=True)
+    torch_path = trained(WholeTables(context()), kernel=False)
+    device = trained(WholeTables(context()), kernel=True)
+    cache = trained(FreqCache(context(), params), kernel=True)
     for a, b in zip(device[1], cache[1], strict=True):
         assert torch.equal(a, b)
     for a, b in zip(device[1], torch_path[1], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    distinct = sum(len(torch.unique(WholeTables(_context(tables, opt, batches)).space.global_rows(f))) for f in batches)
+        if precision == "fp32":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
+    distinct = sum(len(torch.unique(WholeTables(context()).space.global_rows(f))) for f in batches)
     for counters in (device[2], cache[2]):
-        assert counters["update_entries"] == distinct <= 1.25 * distinct
+        assert counters["update_entries"] == distinct
         assert counters["update_entries_max_per_row"] == len(batches)  # one entry a row, each step
     assert torch_path[2]["update_entries"] == sum(f.values.numel() for f in batches)
+    store = WholeTables(context()).store
+    monkeypatch.setattr(embedding, "triton_problem", lambda device: None)  # as on CUDA with Triton
+    assert store._kernel_updates(CPU)
 
 
 @settings(max_examples=40, deadline=None)

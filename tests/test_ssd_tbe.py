@@ -105,6 +105,7 @@ def test_the_dry_run_estimate_counts_the_cache_and_the_adagrad_state():
     assert estimate.host_bytes == 0
 
 
+@pytest.mark.slow
 def test_strategies_lists_it_with_why_it_does_not_run_here(public_wheel):
     env = {**os.environ, "COLUMNS": "300"}
     proc = subprocess.run([sys.executable, "-m", "embbench.cli", "strategies"], cwd=ROOT, capture_output=True,

@@ -228,6 +228,7 @@ def test_compare_fits_the_width_and_names_the_hidden_columns(width):
     assert _footer(_compared(width, wide=True)) is None
 
 
+@pytest.mark.slow
 def test_run_prints_a_table_that_fits_columns_and_a_footer(tmp_path):
     """The newcomer's first command, its output piped: COLUMNS is honoured."""
     scenario = tmp_path / "tiny.yaml"

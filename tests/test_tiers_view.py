@@ -61,7 +61,10 @@ def test_show_has_a_row_per_cell_and_tier_with_the_record_s_figures(tmp_path, ca
     # 6000 distinct rows over 12 steps: 1500 missed the device, 600 of those host memory, read in 900 pages
     assert rows[(FILE_ID, "hbm")][:2] == ["75.0%", "75.0%"]
     assert rows[(FILE_ID, "dram")][:2] == ["15.0%", "60.0%"]
-    assert rows[(FILE_ID, "dram")][2] == f"{1500 * 36 / STEPS / 1024:,.2f} KiB"
+    # each row's traffic with the tier below it: the device read 1500 rows from host memory, host
+    # memory read 900 pages from the drive (for 600 rows) and wrote 120; the drive's row is its own
+    assert rows[(FILE_ID, "hbm")][2] == f"{1500 * 36 / STEPS / 1024:,.2f} KiB"
+    assert rows[(FILE_ID, "dram")][2:4] == ["300.00 KiB", "40.00 KiB"]
     assert rows[(FILE_ID, "nvme")] == [
         "10.0%", "100.0%", "300.00 KiB",  # 900 pages of 4 KiB over 12 steps
         "40.00 KiB", "85.0",  # 120 pages written; (900 + 120) / 12 I/Os a step
@@ -76,7 +79,7 @@ def test_show_has_a_row_per_cell_and_tier_with_the_record_s_figures(tmp_path, ca
 def test_show_draws_only_the_tier_columns_some_cell_fills(tmp_path, capsys, monkeypatch):
     run = write_run(tmp_path / "run", _records()[:2])  # host rows in memory: no drive
     header = _cli(capsys, monkeypatch, "show", str(run), "--wide").split("memory tiers")[1].split("┡")[0]
-    assert "hit rate" in header and "read" in header
+    assert "rows hit" in header and "read" in header
     for drive_only in ("stall", "I/Os", "amplification", "reads/s"):
         assert drive_only not in header
 
@@ -182,3 +185,29 @@ def test_a_tier_column_never_takes_the_name_of_another_quantity():
 
     tiers = {c.key for c in TIER_COLUMNS}
     assert tiers & {c.key for c in RESULT_COLUMNS} == tiers & {c.key for c in DELTA_COLUMNS} == {"cell"}
+
+
+def test_each_tier_row_shows_its_traffic_with_the_tier_below_and_old_records_read_the_same(tmp_path):
+    """Issue 49, point 5: the dram row is host memory's traffic with the drive (rows it lacked,
+    the pages read for them), not the device's traffic with host memory repeated; a record made
+    before says the same when read."""
+    new = _records()[2]
+    grid = tier_grid([new])
+    by_tier = {row.cells["tier"]: row for row in grid.rows}
+    assert by_tier["hbm"].cells["bytes_read_per_step"] == f"{1500 * 36 / STEPS / 1024:,.2f} KiB\n125.0 rows"
+    assert by_tier["dram"].cells["bytes_read_per_step"] == "300.00 KiB\n50.0 rows"  # 600 rows in 900 pages
+    assert by_tier["dram"].cells["bytes_written_per_step"] == "40.00 KiB"
+    old = new.model_copy(deep=True)
+    dram = next(t for t in old.metrics["tiers"] if t["tier"] == "dram")
+    dram.update(rows_read_per_step=1500 / STEPS, bytes_read_per_step=1500 * 36 / STEPS,
+                rows_written_per_step=0.0, bytes_written_per_step=0.0)  # as records before issue 49 said it
+    assert [r.cells for r in tier_grid([old]).rows] == [r.cells for r in grid.rows]
+
+
+def test_the_two_hit_rates_on_one_screen_are_named_apart(tmp_path, capsys, monkeypatch):
+    counted = make_record("freqcache", {"cache_ratio": 0.05}, hit_rate=0.9, tier_counters=cache_counters(6000, 900))
+    run = write_run(tmp_path / "run", [*_records(), counted])
+    results, tiers = _cli(capsys, monkeypatch, "show", str(run), "--wide").split("memory tiers")
+    flat = lambda text: " ".join(text.split())  # noqa: E731 (headers wrap)
+    assert "per access" in flat(results) and "rows hit" not in results
+    assert "rows hit" in tiers and "per access" not in flat(tiers.split("┡")[0])

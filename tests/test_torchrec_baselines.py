@@ -22,6 +22,7 @@ CPU = RuntimeEnv(torch.device("cpu"))
 
 @pytest.mark.parametrize("opt_type", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
+@pytest.mark.slow
 def test_gpu_sharded_one_process_equals_device(tmp_path, opt_type, sharding):
     raw = tiny_scenario(optimizer={"embedding": {"type": opt_type, "lr": 0.1}})
     reference, ref_metrics = train_and_flush(raw, "device", tmp_path=tmp_path)

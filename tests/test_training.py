@@ -56,6 +56,7 @@ def test_fused_update_matches_autograd_reference(opt_type, num_rows, bags, steps
 
 
 @pytest.mark.parametrize("opt_type", OPTIMIZERS)
+@pytest.mark.slow
 def test_device_and_cpu_strategies_train_the_same_weights(tmp_path, opt_type):
     raw = tiny_scenario(optimizer={"embedding": {"type": opt_type, "lr": 0.1}})
     device_weights, device_metrics = train_and_flush(raw, "device", tmp_path=tmp_path)
@@ -67,6 +68,7 @@ def test_device_and_cpu_strategies_train_the_same_weights(tmp_path, opt_type):
     assert device_metrics["accuracy"]["logloss"] == pytest.approx(cpu_metrics["accuracy"]["logloss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_teacher_is_learnable():
     raw = tiny_scenario(
         data={"scale": 0.001, "embedding_dim": 16, "batch_size": 512},
@@ -75,3 +77,43 @@ def test_the_teacher_is_learnable():
     )
     _, metrics = train_and_flush(raw, "device")
     assert metrics["accuracy"]["auc"] > 0.6
+
+
+def test_a_cell_trains_on_a_stream_of_the_device_s_highest_priority(monkeypatch, tmp_path):
+    """On CUDA the cell runs on a stream of its own at the highest priority (a strategy's side
+    stream, made at the default and lowest, yields to it: issue 47, item 5); on a CPU on none.
+    Every phase of the cell, the timed steps among them, runs inside it."""
+    import contextlib
+
+    from embbench import runner
+
+    made, entered = [], []
+
+    class Stream:
+        @staticmethod
+        def priority_range():
+            return 0, -5
+
+        def __init__(self, device=None, priority=0):
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(entered.append(s)))
+    with runner.training_stream(torch.device("cuda", 0)):
+        pass
+    assert made == [(torch.device("cuda", 0), -5)] and len(entered) == 1
+    assert isinstance(runner.training_stream(torch.device("cpu")), contextlib.nullcontext)
+
+    log = []
+
+    @contextlib.contextmanager
+    def logged(device):
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    time_steps = runner._time_steps
+    monkeypatch.setattr(runner, "training_stream", logged)
+    monkeypatch.setattr(runner, "_time_steps", lambda *a: (log.append("timed"), time_steps(*a))[1])
+    train_and_flush(tiny_scenario(), "device", tmp_path=tmp_path)
+    assert log == ["enter", "timed", "exit"]

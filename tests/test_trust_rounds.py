@@ -139,6 +139,7 @@ def a_run(tmp_path) -> Path:
     return write_run(tmp_path / "a run", [make_record("device"), make_record("cpu")])
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_is_one_line(a_run):
     proc = subprocess.run(_embbench("show", a_run), cwd=ROOT, capture_output=False,
                           stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1), timeout=120)
@@ -148,13 +149,15 @@ def test_a_closed_stdout_is_one_line(a_run):
 
 
 @pytest.mark.parametrize("flags", [[], ["--csv"]], ids=["table", "csv"])
-def test_a_pipe_closed_early_is_one_line(a_run, flags):
+@pytest.mark.slow
+def test_a_pipe_closed_early_ends_quietly(a_run, flags):
+    """`show --csv | head`: the reader has what it wanted; exit 141 as SIGPIPE would, nothing said (issue 49)."""
     proc = subprocess.Popen(_embbench("show", a_run, *flags), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # `| head` that has read enough, before anything was written
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141
-    assert _one_clean_line(err) == "error: standard output was closed before everything was written (broken pipe)"
+    assert err == ""
 
 
 # --- user text is never markup (issue 28) -------------------------------------------------------
@@ -172,6 +175,7 @@ def _flat(text: str) -> str:
 @example(name=":x:")
 @example(name="a\\")
 @example(name="\\[b]")
+@pytest.mark.slow
 def test_names_and_paths_with_brackets_and_backslashes_reach_the_terminal_unchanged(tmp_path, capsys, monkeypatch, name):
     _in_process_cells(monkeypatch)
     tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))  # one per example: names like ":" and ":/" share a path

@@ -373,8 +373,19 @@ class DevicePlanner:
         # their batch numbers differ). Stale pairs go to a dump place past the end.
         live = (window != _NO_KEY) & ((window & _NUMBER_MASK) > self._current)
         live_through = torch.cumsum(live, 0, dtype=torch.int32)
-        at_kept = torch.where(live, live_through - 1 + torch.searchsorted(incoming, window), C + m)
         at = torch.searchsorted(window, incoming)  # stale pairs are still in order: they count here, not below
+        # Incoming pairs before each window pair: those whose place in the window is at or
+        # before it. `at` rises with the incoming pairs, so the last of each run of equal
+        # places marks its count there (distinct places: no accumulating scatter) and a running
+        # maximum carries it on; a search of the window's pairs in the incoming ones costs the
+        # window's length times a search (6.45M at the Kaggle shape), this a batch's searches.
+        at_valid = torch.where(valid, at, C + 1)
+        last = torch.ones_like(valid)
+        torch.ne(at_valid[1:], at_valid[:-1], out=last[:-1])
+        marks = torch.zeros(C + 1 + m, dtype=torch.int32, device=self.device)
+        marks.scatter_(0, torch.where(last & valid, at, C + 1 + self._positions), (self._positions + 1).to(torch.int32))
+        incoming_before = torch.cummax(marks[:C], 0).values
+        at_kept = torch.where(live, live_through - 1 + incoming_before, C + m).long()
         live_before = torch.where(at > 0, live_through[(at - 1).clamp_(min=0)], 0)
         at_incoming = torch.where(valid, live_before + self._positions, C + m)
         merged = torch.full((C + m + 1,), _NO_KEY, dtype=torch.int64, device=self.device)
@@ -520,7 +531,12 @@ class DevicePlanner:
         self._mark_planned(dest)
         cand_freq = freq[rank].to(torch.int32)
         self.slot_freq.index_copy_(0, torch.where(cand, torch.where(incoming, dest, cand_slot), sink), cand_freq)
-        batch_slot = torch.cat([slot, slot.new_full((1,), sink)]).index_copy_(0, torch.where(incoming, rank, m), dest)[:m]
+        # Each distinct row's slot now: its destination where it moves in, else where it was. By
+        # gathers through the candidates' order (`rank` inverted): an index_copy_ into
+        # torch.cat([slot, sink]) let inductor, under deterministic algorithms, lay `slot` inside
+        # that buffer and overwrite it before `cand_resident` was read (issue 47, item 3).
+        candidate_of = torch.empty_like(rank).scatter_(0, rank, self._positions)
+        batch_slot = torch.where(incoming[candidate_of], dest[candidate_of], slot)
         self.slot_next.index_copy_(0, batch_slot, next_use.to(torch.int32))
         if train:  # (the sink's entries are never read: write-backs test `incoming`)
             self.slot_dirty.index_fill_(0, batch_slot, True)

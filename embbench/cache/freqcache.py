@@ -15,7 +15,7 @@ when it is first seen (its ids are on the device already); the next batch is pla
 rows moved while the current one computes (``prefetch``), on a side stream on CUDA. The moves
 are two padded gathers and scatters against the host table: dirty victims out, missing rows
 in. A plan may take cached slots of the running step (as Belady would): those moves (the
-plan's late part) wait for the next forward, when that step has ended.
+plan's late part) wait for that step's backward (:meth:`FreqCache.after_backward`).
 
 Longer than 600 lines because: :class:`FreqCache` is one step (lookup, plan, moves, update,
 its CUDA-graph capture) over slot tensors and streams that all its parts share; the helpers
@@ -103,26 +103,37 @@ _STEADY = StepKind(keeps_running=True, number="next")
 class CapturedStep:
     """A device step of fixed shapes captured as one CUDA graph (CUDA only).
 
-    Its inputs are copied into static buffers (shaped as the ones it was captured with) before
-    each replay; its outputs live in the graph's memory, which the next replay overwrites:
-    callers copy what they keep. The step's state tensors are read and written in place, so a
-    replay sees their current values.
+    Its inputs live in static buffers (shaped as the ones it was captured with): copies of the
+    capture's inputs, copied into before each replay, or with ``static_inputs`` the capture's
+    input tensors themselves (another graph's outputs, say), which a replay then reads where
+    they are, with no copy. Its outputs live in the graph's memory, which the next replay
+    overwrites: callers copy what they keep beyond it. The step's state tensors are read and
+    written in place, so a replay sees their current values.
     """
 
-    def __init__(self, step, inputs: tuple[Tensor, ...]):
+    def __init__(self, step, inputs: tuple[Tensor, ...], static_inputs: bool = False):
         self.shapes = [t.shape for t in inputs]
-        self.inputs = tuple(t.clone() for t in inputs)
+        self.inputs = tuple(inputs) if static_inputs else tuple(t.clone() for t in inputs)
+        self.input_copies = 0  # inputs copied into the static buffers, over all replays
+        self.output = self._capture(step)
+
+    def _capture(self, step):
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.output = step(*self.inputs)
+            return step(*self.inputs)
+
+    def _replay(self) -> None:
+        self.graph.replay()
 
     def fits(self, inputs: tuple[Tensor, ...]) -> bool:
         return [t.shape for t in inputs] == self.shapes
 
     def __call__(self, *inputs: Tensor):
         for static, t in zip(self.inputs, inputs):
-            static.copy_(t)
-        self.graph.replay()
+            if t is not static:
+                static.copy_(t)
+                self.input_copies += 1
+        self._replay()
         return self.output
 
 
@@ -223,6 +234,8 @@ class FreqCache(SparseModule):
         self._entering: list[SparseFeatures] = []  # numbered, their device work not queued yet
         self._prefetched: _Prefetched | None = None
         self._late: DevicePlan | None = None  # a plan whose late moves wait for the running step's end
+        self._gate: torch.cuda.Event | None = None  # recorded behind the running step's lookup (CUDA)
+        self._looked_up = torch.cuda.Event() if self.cuda else None  # that event, made once
         self._running: int | None = None  # the plan of the last forwarded batch
         self._late_batch: int | None = None  # the window number of the late plan's batch (store: file)
         self._moving: int | None = None  # the window number of the batch whose rows move now
@@ -239,9 +252,9 @@ class FreqCache(SparseModule):
 
     def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
         """Batches seen for the first time enter the planner's window (in look-ahead order).
-        Their numbers are given now; their device work is queued once the next forward has
-        joined the side stream (:meth:`_enter_pending`), so that the forward never waits for it
-        (6.45M window pairs rewritten a step at the Kaggle shape), or before a plan that needs it."""
+        Their numbers are given now; their device work is queued after the next forward's
+        lookup (:meth:`_enter_pending`), so that the lookup never waits for it (6.45M window
+        pairs rewritten a step at the Kaggle shape), or before a plan that needs it."""
         for features in upcoming:
             known = self._numbers.get(id(features.values))
             if known is None or known[0] is not features.values:
@@ -279,8 +292,10 @@ class FreqCache(SparseModule):
             out, replayed = self._device_step("plan", rows, eligible=True)
         else:
             out, replayed = self._plan_and_move(rows, train, step), False
-        if replayed:  # the graph's outputs are overwritten by its next replay
-            out = tuple(t.clone() for t in out)
+        if replayed:  # the graph's outputs are overwritten by its next replay, which comes after
+            # the late moves are queued (they read the move lists where they are) but before
+            # this batch's backward has used its slots: those are copied
+            out = (out[0].clone(), *out[1:])
             self._check_first_replay(out[0], rows)
         plan = DevicePlan(pid, *out, sink=self.planner.sink, pad_row=self.planner.pad_row)
         if closes:
@@ -324,7 +339,7 @@ class FreqCache(SparseModule):
             self._eager_runs[name] += 1
             if self._eager_runs[name] > _EAGER_BEFORE_CAPTURE:
                 try:
-                    self._captured[name] = CapturedStep(step, inputs)
+                    self._captured[name] = CapturedStep(step, inputs, static_inputs=self._plan_outputs(inputs))
                 except Exception as e:  # an operation torch cannot capture: stay uncaptured, and say why
                     self._graphs_on = False
                     self._graph_note = f"capture of {name} failed: {type(e).__name__}: {e}"
@@ -347,6 +362,13 @@ class FreqCache(SparseModule):
         self._compile_note = "compiled: " + ", ".join(sorted(self._compile_worked))
         # (outside the try: a failure here is not the compiler's, and must not plan the batch twice)
         return finish(out), False
+
+    def _plan_outputs(self, inputs: tuple[Tensor, ...]) -> bool:
+        """Whether ``inputs`` are the captured plan's own move lists (the late moves' inputs
+        once the plan replays): a graph captured on them reads them in place, never a copy."""
+        plan = self._captured.get("plan")
+        return plan is not None and len(inputs) == len(plan.output) - 1 and all(
+            a is b for a, b in zip(inputs, plan.output[1:]))
 
     @property
     def _moves_outside_compiled(self) -> bool:
@@ -456,8 +478,8 @@ class FreqCache(SparseModule):
         return rows
 
     def _apply_late(self) -> None:
-        """The last plan's moves into slots the step before it used, now that that step has
-        ended (its update is queued before this)."""
+        """The last plan's moves into slots the step before it used, now that that step's
+        update is queued (the side stream waits for the training stream's work so far)."""
         plan, self._late = self._late, None
         if plan is not None:
             self._moving = self._late_batch
@@ -466,10 +488,14 @@ class FreqCache(SparseModule):
                                   plan.load_rows, plan.late, plan.live, eligible=True)
 
     def _on_side(self):
-        """The side stream on CUDA, after the work queued so far on the training stream."""
+        """The side stream on CUDA, after the training stream's work up to the running step's
+        lookup (``self._gate``) where one is recorded, else after all of it queued so far."""
         if not self.cuda:
             return contextlib.nullcontext()
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        if self._gate is not None:
+            self._side.wait_event(self._gate)
+        else:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self._side)
 
     def _join_side(self) -> None:
@@ -479,7 +505,11 @@ class FreqCache(SparseModule):
     # -- the SparseModule interface ------------------------------------------------------------
 
     def forward(self, features: SparseFeatures) -> Tensor:
-        self._apply_late()  # the step that used those slots has ended
+        """The lookup, launched before any side-stream work of the step: the late moves it waits
+        for were queued at the end of the step before (:meth:`after_backward`), the window's
+        entries and the next plan are queued after it, gated on an event recorded behind it."""
+        self._gate = None
+        self._apply_late()  # none left when the harness called after_backward
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched.values is features.values:
             slots, self._running = prefetched.slots, prefetched.plan
@@ -488,23 +518,36 @@ class FreqCache(SparseModule):
                 slots = self._plan(features, torch.is_grad_enabled(), running=None)
             self._running = self.planner.plans - 1
         self._join_side()
-        self._enter_pending()  # on the side stream, beside this step's compute
         if self.cuda:
             slots.record_stream(torch.cuda.current_stream(self.device))
         offsets = features.offsets().to(self.device)
         # rounded rows: the rounding is keyed by each id's global row, wherever the row sits
         keys = None if self.kind.exact else self.space.global_rows(features.to(self.device))
-        return per_sample(pooled_lookup(self.store, slots, offsets, self.device, keys), features)
+        pooled = pooled_lookup(self.store, slots, offsets, self.device, keys)
+        if self.cuda:  # the side stream's work of this step waits for the lookup, not the dense forward
+            self._looked_up.record(torch.cuda.current_stream(self.device))
+            self._gate = self._looked_up
+        self._enter_pending()  # on the side stream, beside the dense forward
+        return per_sample(pooled, features)
 
     def prefetch(self, features: SparseFeatures) -> None:
-        """Plan the next batch and move its rows now; the running batch's slots are kept."""
+        """Plan the next batch and move its rows now; the running batch's slots are kept. (The
+        harness calls it once the dense forward is launched; on the side stream it waits for
+        the lookup only.)"""
         if self.params.prefetch:
             with self._on_side():
                 slots = self._plan(features, True, running=self._running)
             self._prefetched = _Prefetched(features.values, slots, self.planner.plans - 1)
 
+    def after_backward(self) -> None:
+        """The running step's update is queued: the late moves into its slots follow it on the
+        side stream, beside the dense optimizer's step, and the next lookup finds them done."""
+        self._gate = None
+        self._apply_late()
+
     def end_step(self) -> None:
         """The next batch's planning and moves belong to this step's time."""
+        self._gate = None
         self._join_side()
 
     def _observe(self, rows: Tensor) -> bool:
@@ -566,6 +609,7 @@ class FreqCache(SparseModule):
 
     def flush(self) -> list[Tensor]:
         """Write every dirty slot back, then return the tables."""
+        self._gate = None  # the late moves wait for everything queued so far
         self._apply_late()
         self._join_side()
         slots, rows = self.planner.dirty()
@@ -588,7 +632,13 @@ class FreqCache(SparseModule):
         """Belady's MIN on the recorded training stream at this capacity (per access and per
         distinct row of each batch), beside this cache's own rates on the same window."""
         self._join_side()
-        out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "policy": self.params.policy,
+        staging = self.planner.num_slots - self.capacity
+        out: dict = {"capacity_rows": self.capacity, "slots": self.planner.num_slots, "staging_slots": staging,
+                     **({"staging_note": f"{staging:,} staging slots (room for two batches' ids) beside a cache of "
+                                         f"{self.capacity:,} rows: until each has held a staged row, rows staged there "
+                                         "stay resident, as extra cache (empty_slots_at_timing)"}
+                        if staging > self.capacity else {}),
+                     "policy": self.params.policy,
                      "admission": self.params.admission, "lookahead": self.lookahead,
                      "window_rows_per_batch": self.planner.window_rows, "planner": "device",
                      "planner_device_bytes": self.planner.nbytes,

@@ -13,13 +13,13 @@ import signal
 import sys
 
 from embbench.cli import compare, curve, data, disk, project, recommend, report, run, show, strategies, trace
-from embbench.cli.run import EXIT_NOTHING_RAN
+from embbench.cli.run import EXIT_CELLS_FAILED, EXIT_NOTHING_RAN
 from embbench.cli.shared import console
 from embbench.optional import MissingDependency
 from embbench.results import RecordError
 from embbench.scenario import ScenarioError
 
-__all__ = ["EXIT_NOTHING_RAN", "build_parser", "console", "main"]
+__all__ = ["EXIT_CELLS_FAILED", "EXIT_NOTHING_RAN", "build_parser", "console", "main"]
 
 #: The subcommands in the order ``embbench --help`` lists them.
 COMMANDS = (run, data, trace, strategies, show, curve, disk, recommend, compare, report, project)
@@ -38,10 +38,10 @@ def _interrupt(signum, frame):
 
 
 def _stdout_gone() -> int:
-    """``| head`` closed the pipe: say so once; nothing more goes to the closed pipe (not even
-    at exit, where Python flushes stdout)."""
+    """``| head`` closed the pipe: the reader has what it wanted, so nothing is said (as a
+    command killed by SIGPIPE says nothing); nothing more goes to the closed pipe (not even at
+    exit, where Python flushes stdout)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    print("error: standard output was closed before everything was written (broken pipe)", file=sys.stderr)
     return 141  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
 
 

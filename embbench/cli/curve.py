@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     if elsewhere:
         raise ValueError(f"--freqcache-sizes {','.join(map(str, elsewhere))}: not among --sizes "
                          f"{','.join(map(str, args.sizes))}; freqcache is driven at sizes of the curve")
-    scenario, _ = load_scenario(args.scenario, scale=args.scale)
+    scenario, _ = load_scenario(args.scenario, scale=args.scale, batch_size=args.batch_size)
     prepare_data(args.scenario, scenario, data_cache(args), batches=(args.warmup + args.steps, 0))  # its own reads
     with PhaseProgress(console, live=console.is_terminal) as progress:
         curve = scenario_curve(scenario, args.sizes, args.policies, args.warmup, args.steps, args.freqcache_sizes, progress)
@@ -88,6 +88,7 @@ def register(sub) -> None:
     curve.add_argument("--out", help="also write every size, policy and table: a .json or .csv file")
     curve.add_argument("--overwrite", action="store_true", help="replace an existing --out that is not a curve (never a record)")
     curve.add_argument("--scale", type=positive_flag(float, at_most=1), help="as `run --scale` (synthetic data only)")
+    curve.add_argument("--batch-size", type=positive_flag(int), help="as `run --batch-size`: the global batch")
     curve.add_argument("--data-cache", help="parsed-file cache of a criteo_tsv scenario (default: results/data-cache)")
     from embbench.cache.tiers import parse_iops, parse_tiers
 

@@ -30,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
                          "one rank per core, or on GPUs")
     console.print(Text(f"assumed: {ASSUMPTIONS}", style="dim"))
     table = Table(title="PROJECTION — a model (embbench/projection.py), not a measurement: samples/s", header_style="bold",
-                  caption="t(W, bw) = (T0 - S0) * W0 / W + C(W) / bw + 4 * latency; T0: measured mean step and "
+                  caption="t(W, bw) = (T0 - S0) * W0 / W + C(W) / bw + 4 * latency; T0: the measured step (median of the repeats' medians, as show) and "
                           "S0: time in collectives, on the rank with the most; C: bytes the busiest rank sends per step; "
                           "measured: the cell's own world size (its measured samples/s in brackets)")
     table.add_column("cell", justify="left")

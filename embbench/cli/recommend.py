@@ -23,7 +23,9 @@ def main(args: argparse.Namespace) -> int:
 
     budget = Budget(parse_size(args.device_memory, "--device-memory"),
                     parse_size(args.host_memory, "--host-memory") if args.host_memory else None)
-    records = runs_from([args.run])[0].records
+    runs = runs_from([args.run] + ([args.noise_floor_from] if args.noise_floor_from else []))
+    records = runs[0].records
+    floor = _aa_floor(runs, args) if args.noise_floor_from else None
     curve_file = Path(args.curve) if args.curve else Path(args.run) / RUN_CURVE
     curve = None
     if args.curve or curve_file.exists():
@@ -32,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
         curve = read_curve(curve_file)
         if not args.json:
             console.print(Text(f"cache curve: {curve_file} (a ratio to measure next stops at its knee)", style="dim"))
-    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve)
+    recs = recommend(records, budget, args.auc_tolerance, run_dir=args.run, curve=curve, aa_floor=floor)
     plans = {r.world_size: _torchrec_plan(records, curve_file, budget, r.world_size)
              for r in recs} if args.torchrec_plan else {}
     if args.json:
@@ -43,6 +45,24 @@ def main(args: argparse.Namespace) -> int:
         if plans:
             print_torchrec_plans(plans, recs, budget, console)
     return 0
+
+
+def _aa_floor(runs, args: argparse.Namespace) -> float | None:
+    """``--noise-floor-from``: the A/A noise floor of the run against the same scenario and
+    commit run again (:func:`embbench.compare.aa_floor_of`), said once."""
+    import math
+
+    from embbench.compare import aa_floor_of, same_code_and_scenario
+    from embbench.stats import spread_text
+
+    if not same_code_and_scenario(*runs):
+        raise ValueError(f"--noise-floor-from {args.noise_floor_from}: not the same scenario and clean commit as "
+                         f"{args.run}, so the two are no A/A pair (`embbench compare` names what differs)")
+    floor = aa_floor_of(runs)
+    if floor is not None and not args.json:
+        console.print(Text(f"A/A noise floor of {args.run} against {args.noise_floor_from}: "
+                           f"{spread_text(math.expm1(floor))}; a winner must beat it", style="cyan"))
+    return floor
 
 
 def _torchrec_plan(records, curve_file: Path, budget, world_size: int) -> dict:
@@ -80,6 +100,9 @@ def register(sub) -> None:
     rec.add_argument("--auc-tolerance", type=positive_flag(float, zero=True, at_most=1), default=0.001,
                      help="leave out cells whose AUC is below the baseline's by more than this (default 0.001)")
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    rec.add_argument("--noise-floor-from", metavar="RUN2",
+                     help="the same scenario and commit run again: every speed decision is held to the A/A noise "
+                          "floor of the two runs, as `compare RUN RUN2 ...` holds it")
     rec.add_argument("--curve", help="an `embbench curve --out` JSON of the scenario (default RUN/curve.json if there): "
                                      "a suggested cache ratio stops at its knee")
     rec.add_argument("--torchrec-plan", action="store_true",

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from rich.table import Table
 from rich.text import Text
 
@@ -19,18 +20,23 @@ from embbench.cli.shared import add_view_flags, comma_names, console, view_of
 from embbench.commands import run_command
 from embbench.device import resolve_device
 from embbench.estimate import LONG_RUN_S, at_least, cell_times, duration, is_too_long, over_limit
-from embbench.launch import RecordsNotWritten, memory_estimate, other_scenario, outcome_without_launch, run_cells
+from embbench.launch import (HOST_HEADROOM, RANK_PROCESS_BYTES, RecordsNotWritten, memory_estimate, other_scenario,
+                             outcome_without_launch, rank_process_bytes, run_cells)
 from embbench.optional import MissingDependency, require
 from embbench.outputs import claim_output, head_has
 from embbench.progress import RunProgress
 from embbench.report import SHOW_COLUMNS, print_comparison, profile_tables
-from embbench.results import run_directory_lock
+from embbench.results import FAILED_STATUSES, run_directory_lock
 from embbench.scenario import load_scenario
 from embbench.strategy import Unsupported
 from embbench.torchrun_job import run_cells_in_job, torchrun_ranks
 
 
-#: ``run``'s exit code when no cell of the scenario could start here (each unsupported or skipped).
+# ``run``'s exit codes (README "Exit codes", docs/guarantees.md): 0 every cell ok, or unsupported
+# or skipped here beside at least one ok; 2 bad input (embbench.cli); 130 interrupted.
+#: A cell failed (:data:`embbench.results.FAILED_STATUSES`), or a record could not be written.
+EXIT_CELLS_FAILED = 1
+#: No cell of the scenario could start here (each unsupported or skipped).
 EXIT_NOTHING_RAN = 4
 
 
@@ -60,6 +66,8 @@ def _dry_run(scenario, cells, run_dirs: list[Path]) -> list[str]:
                f"per-rank estimates on this machine ({here or 'no usable device'})")
     if on_gpu_too:
         caption += " and, as the scenario is written for GPUs, on a GPU (device memory there, host memory beside it)"
+    caption += (f"; host memory with each rank's process (interpreter and libraries), of which a cell may take "
+                f"{100 * (1 - HOST_HEADROOM):.0f}% of what is free")
     grid = Table(title=Text(f"{scenario.name}: {len(cells)} cells (nothing is run)", style="table.title"),
                  header_style="bold", caption=caption)
     for col in ["cell", "device GiB / rank", "host GiB / rank"] + (["on a GPU: device / host GiB"] if on_gpu_too else []) \
@@ -77,14 +85,15 @@ def _dry_run(scenario, cells, run_dirs: list[Path]) -> list[str]:
                                                estimates)}
     for cell in cells:
         estimate, outcome = estimates[cell.id], outcomes[cell.id]
+        process = rank_process_bytes(here or torch.device("cpu"))  # each rank's interpreter and libraries
         if estimate is None:
             device = host = None
         elif here is not None and here.type == "cpu":  # the "device" is the host
-            device, host = 0, estimate.device_bytes + estimate.host_bytes + estimate.pinned_bytes
+            device, host = 0, estimate.device_bytes + estimate.host_bytes + estimate.pinned_bytes + process
         else:
-            device, host = estimate.device_bytes, estimate.host_bytes + estimate.pinned_bytes
-        gpu = [f"{_gib(estimate.device_bytes)} / {_gib(estimate.host_bytes + estimate.pinned_bytes)}"
-               if estimate else "? / ?"] if on_gpu_too else []
+            device, host = estimate.device_bytes, estimate.host_bytes + estimate.pinned_bytes + process
+        on_gpu_host = estimate.host_bytes + estimate.pinned_bytes + RANK_PROCESS_BYTES["cuda"] if estimate else None
+        gpu = [f"{_gib(estimate.device_bytes)} / {_gib(on_gpu_host)}" if estimate else "? / ?"] if on_gpu_too else []
         if outcome is None:
             verdict = Text("yes" if estimate else "yes (no estimate)", style="green")
         else:
@@ -276,7 +285,7 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
     except RecordsNotWritten as e:
         print_comparison(e.records, console, title=scenario.name, view=view_of(args))
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_CELLS_FAILED
     if not records:
         return 0  # a torchrun rank other than 0: rank 0 prints
     print_comparison(records, console, title=scenario.name, view=view_of(args))
@@ -286,6 +295,11 @@ def _run_and_print(args: argparse.Namespace, scenario, cells, out: Path) -> int:
     console.print(Text(shown.summary()))
     console.print(Text(f"records: {out}"))
     _say_what_fits(args, scenario, [r.cell_id for r in records if r.status == "skipped"])
+    failed = [r for r in records if r.status in FAILED_STATUSES]
+    if failed:  # a CI job running a scenario fails with its cells
+        print(f"error: {len(failed)} of {len(records)} cell(s) failed ("
+              + ", ".join(f"{r.cell_id}: {r.status}" for r in failed) + f") (exit {EXIT_CELLS_FAILED})", file=sys.stderr)
+        return EXIT_CELLS_FAILED
     if all(r.status in ("unsupported", "skipped") for r in records):
         print(f"error: no cell of {args.scenario} can start on this machine (exit {EXIT_NOTHING_RAN})", file=sys.stderr)
         return EXIT_NOTHING_RAN

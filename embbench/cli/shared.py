@@ -15,7 +15,7 @@ from embbench.table_view import View, column_names
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
-        raise BrokenPipeError  # rich would exit 1 silently: main() says it once, as for plain prints
+        raise BrokenPipeError  # rich would exit 1 silently: main() ends quietly (141), as for plain prints
 
 
 # Tables fit the terminal's width (COLUMNS where set; see embbench/table_view.py). Logs and CI
