@@ -106,6 +106,19 @@ class Candidate:
     vs_hbm: float | None = None
     fastest_hbm_cell: str | None = None
 
+    @property
+    def hbm_differs(self) -> bool:
+        """Whether the ratio to the fastest all-in-HBM cell says more than the speedup (that
+        cell is not the baseline's)."""
+        return self.vs_hbm is not None and self.vs_hbm != self.vs_baseline
+
+    def reference_ratios(self) -> str:
+        """``, 0.95x the baseline, 0.91x the fastest all-in-HBM cell (gpu_sharded@w1)``: the speed
+        against both references (the baseline stays the reference for weights)."""
+        parts = [f"{self.vs_baseline:.2f}x the baseline" if self.vs_baseline is not None else "",
+                 f"{self.vs_hbm:.2f}x the fastest all-in-HBM cell ({self.fastest_hbm_cell})" if self.hbm_differs else ""]
+        return "".join(f", {p}" for p in parts if p)
+
 
 @dataclass
 class Suggestion:

@@ -474,25 +474,6 @@ SHOW_COLUMNS = RESULT_COLUMNS + TIER_COLUMNS
 COMPARE_COLUMNS = DELTA_COLUMNS + TIER_COLUMNS
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _reference_ratios(c, rec: Recommendation) -> str:
-    """``, 0.95x the baseline, 0.91x the fastest all-in-HBM cell (gpu_sharded@w1)``: a cell's
-    speed against both references (the baseline stays the reference for weights)."""
-    parts = [f"{c.vs_baseline:.2f}x the baseline" if c.vs_baseline is not None else "",
-             f"{c.vs_hbm:.2f}x the fastest all-in-HBM cell ({c.fastest_hbm_cell})"
-             if _hbm_differs(c) else ""]
-    return "".join(f", {p}" for p in parts if p)
-
-
-def _hbm_differs(c) -> bool:
-    """Whether a candidate's ratio to the fastest all-in-HBM cell says more than its speedup
-    (that cell is not the baseline's)."""
-    return c.vs_hbm is not None and c.vs_hbm != c.vs_baseline
-
-
 def print_recommendations(recs: list[Recommendation], budget: Budget, source: str, console: Console) -> None:
     """The answer of ``embbench recommend``: per world size the fastest cell that fits, the
     runners-up, what was left out and why, and the cells worth running."""
@@ -511,7 +492,7 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
                                         f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
                                         + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")
-                                        + _reference_ratios(b, rec)))
+                                        + b.reference_ratios()))
         for caveat in rec.caveats:
             if caveat not in host_first:
                 console.print(Text(f"caveat: {caveat}", style="yellow"))
@@ -519,14 +500,15 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
             table = Table(title="runners-up", header_style="bold", title_justify="left",
                           caption="vs best: throughput against the recommended cell; significant: Welch's t over repeats, "
                                   "with the 95% interval of the ratio, as compare judges it (~: not judged, and why)")
-            hbm = any(_hbm_differs(c) for c in [rec.best, *rec.runners_up])  # else it repeats the speedup
+            hbm = any(c.hbm_differs for c in [rec.best, *rec.runners_up])  # else it repeats the speedup
             for col in ["cell", "samples/s", "vs best", "significant", "vs baseline", *(["vs all-in-HBM"] if hbm else []),
                         "device", "host", "AUC"]:
                 table.add_column(col, justify="left" if col == "cell" else "right")
             for c in rec.runners_up:
                 sig = Significance("", c.p_value, c.significant, 0, 0, interval=c.interval, not_judged=c.not_judged)
                 table.add_row(Text(c.cell_id), f"{c.throughput:,.0f}", f"{100 * c.relative_to_best:+.1f}%",
-                              _significance_text(sig), _ratio(c.vs_baseline), *([_ratio(c.vs_hbm)] if hbm else []),
+                              _significance_text(sig), *[f"{x:.2f}x" if x is not None else "-"
+                                                         for x in (c.vs_baseline, *([c.vs_hbm] if hbm else []))],
                               format_bytes(c.device_bytes), format_bytes(c.host_bytes),
                               "-" if c.auc is None else f"{c.auc:.4f}")
             console.print(table)
