@@ -66,8 +66,10 @@ def measured_step_and_comm(metrics: dict[str, Any]) -> tuple[float, float]:
     median of the repeats' medians) and the time in collectives per step of the rank that
     spent the most time in collectives."""
     per_rank = metrics.get("per_rank") or [{"counters": metrics["counters"]["total"]}]
+    if all("timed_comm_us" in r for r in per_rank):  # over the timed steps, as the step time is
+        return speed(metrics).step_s, max(r["timed_comm_us"] for r in per_rank) / 1e6 / metrics["measured_steps"]
+    # older records: the counters' steps (the measured ones before the counted steps existed)
     busiest = max(per_rank, key=lambda r: r["counters"].get("comm_us", 0))
-    # (the counters cover the counted steps, not the timed ones)
     return speed(metrics).step_s, busiest["counters"].get("comm_us", 0) / 1e6 / counted_steps(metrics)
 
 

@@ -193,6 +193,7 @@ class RankMetrics(TypedDict):
     memory: MemoryFigures
     counters: dict[str, NonNegative]
     measured_seconds: NotRequired[Positive]  # absent in records older than the projection's use of it
+    timed_comm_us: NotRequired[NonNegative]  # its collectives' time over the timed steps (counters: the counted ones)
     extra: NotRequired[dict[str, Any]]
     hit_rate: NotRequired[Rate | None]
     unique_hit_rate: NotRequired[Rate | None]

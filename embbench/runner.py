@@ -331,6 +331,8 @@ class _Timing:
     step_seconds: list[float]
     #: the training steps timed, [first, end)
     steps: tuple[int, int]
+    #: microseconds this rank spent in collectives over them (a strategy that times its own), or None
+    comm_us: int | None
     #: this rank's CPU seconds (every thread) in its timed steps, the untimed batch-making excluded
     cpu_seconds: float
     #: the machine sampled at the start and the end of the timed steps (:func:`embbench.noise.sample`)
@@ -351,6 +353,7 @@ def _time_steps(training: _Training, report: "_Progress") -> _Timing:
     run = training.run
     first_step = training.step_index
     training.sparse.set_counting("off")
+    counters_before = training.sparse.counters()  # (read between steps: times, not instruments, are wanted here)
     step_seconds: list[float] = []
     losses: list[torch.Tensor] = []
     gpu = noise.gpu_id(training.device)
@@ -369,7 +372,8 @@ def _time_steps(training: _Training, report: "_Progress") -> _Timing:
     end = noise.sample(gpu)
     window_cpu = end["process_cpu_s"] - start["process_cpu_s"]
     making_batches = training.batch_cpu_seconds - batch_cpu_before
-    return _Timing(step_seconds, (first_step, training.step_index), max(0.0, window_cpu - making_batches),
+    comm_us = _sum_counters(counters_before, training.sparse.counters()).get("comm_us")
+    return _Timing(step_seconds, (first_step, training.step_index), comm_us, max(0.0, window_cpu - making_batches),
                    (start, end), window_cpu)
 
 
@@ -544,6 +548,8 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, counted: _Cou
             **device_memory(device),
         },
         "counters": counted.counters,
+        # the projection's communication time: of the timed steps, as its step time is
+        **({} if timing.comm_us is None else {"timed_comm_us": timing.comm_us}),
         # the time of the steps the counters cover, on this rank (the projection subtracts them)
         "measured_seconds": sum(timing.step_seconds),
         "cpu_seconds": timing.cpu_seconds,
