@@ -103,7 +103,9 @@ def at_least(times: list[CellTime]) -> str:
 
 
 def duration(seconds: float) -> str:
-    """``42 s``, ``3 min 5 s``, ``2 h 10 min``."""
+    """``42 s``, ``3 min 5 s``, ``2 h 10 min``; ``over 100 days`` beyond (or not finite)."""
+    if not seconds < 100 * 86400:
+        return "over 100 days"
     seconds = max(0.0, seconds)
     if seconds < 60:
         return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
@@ -153,10 +155,19 @@ def earlier_records(scenario: Scenario, directories: list[Path], device: torch.d
     return found
 
 
-def _from_record(record: Record, directory: Path) -> StepCost:
+#: A recorded step or batch beyond this (a day) is no measurement to build an estimate on.
+_ABSURD_S = 86400.0
+
+
+def _from_record(record: Record, directory: Path) -> StepCost | None:
+    """The step cost a record measured; None where its figures are absurd (a step of 1e308 s, a
+    generator of 1e-300 samples a second: the record's other figures say nothing either)."""
     m = record.metrics
     step = m["step_time_s"].get("median_of_repeats", m["step_time_s"]["median"])
     batch = m["samples_per_step"] / m["generator_samples_per_s"] if m.get("generator_samples_per_s") else 0.0
+    if not (step < _ABSURD_S and batch < _ABSURD_S and m.get("build_seconds", 0) < _ABSURD_S * 30
+            and m.get("cell_seconds", 0) < _ABSURD_S * 30):
+        return None
     start_up = None
     if "cell_seconds" in m and "build_seconds" in m:
         evaluated = (m.get("accuracy") or {}).get("eval_samples", 0) // m["samples_per_step"]
@@ -172,7 +183,7 @@ def _at_least_as_slow(cost: StepCost, record: Record, directory: Path) -> StepCo
     """``cost`` raised to the step, batch, build and start-up of the same cell recorded here on
     smaller tables (a floor: larger tables are no faster), named so where that record decides."""
     measured = _from_record(record, directory)
-    if measured.step_s <= cost.step_s:
+    if measured is None or measured.step_s <= cost.step_s:
         return cost
     scale = record.scenario["config"]["data"]["scale"]
     return StepCost(measured.step_s, max(cost.batch_s, measured.batch_s), f"scaled up from {measured.source}",
@@ -195,8 +206,10 @@ def _timed(work: Callable[[], object], device: torch.device) -> float:
 
 @functools.cache
 def fill_rate(dim: int) -> float:
-    """Bytes of initial weights one core makes per second here (the best of 3 chunks)."""
-    table = TableSpec("t", 4096, dim, 1, 1.0)
+    """Bytes of initial weights one core makes per second here (the best of 3 chunks of at most
+    4 MiB: a huge dim must not allocate a huge chunk)."""
+    table = TableSpec("t", 4096, max(1, min(dim, 256)), 1, 1.0)
+    dim = table.dim
     with _threads(1):
         seconds = min(_timed(lambda: initial_weights(table, 0, 0, 0, table.num_rows), torch.device("cpu"))
                       for _ in range(3))
@@ -245,7 +258,8 @@ def _rough_step(scenario: Scenario, tables: list[TableSpec], local_batch: int, t
     forward's multiply-adds, and the interaction's), and each looked-up row read, its gradient
     written and its weights updated (4 passes)."""
     dim = tables[0].dim
-    model = build_model(scenario.model, NUM_DENSE_FEATURES, len(tables), dim)
+    with torch.device("meta"):  # shapes only: a huge --embedding-dim allocates nothing here
+        model = build_model(scenario.model, NUM_DENSE_FEATURES, len(tables), dim)
     linear = sum(p.numel() for name, p in model.named_parameters() if name.endswith("weight"))
     interaction = (len(tables) + 1) ** 2 * dim
     flops = 3 * 2 * (linear + interaction) * local_batch
@@ -360,14 +374,14 @@ def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], devi
     smaller = earlier_records(scenario, run_dirs, device, smaller=True)
     times = []
     for cell in cells:
-        if cell.id in earlier:
-            cost = _from_record(*earlier[cell.id])
-        else:
+        cost = _from_record(*earlier[cell.id]) if cell.id in earlier else None
+        measured = cost is not None  # here, on these tables (a record of absurd figures gives none)
+        if cost is None:
             cost = _fresh_cost(scenario, tables, cell.world_size, device, _CALIBRATIONS)
             if cell.id in smaller:  # larger tables are no faster than the same cell measured on smaller ones
                 cost = _at_least_as_slow(cost, *smaller[cell.id])
         build = cost.build_s
-        if build is None or cell.id not in earlier:  # measured on smaller tables: at least its build
+        if build is None or not measured:  # measured on smaller tables: at least its build
             filled = bytes_to_fill(cell)
             filled = sum(t.num_bytes for t in tables) if filled is None else filled
             build = max(build or 0.0, filled / (fill_rate(tables[0].dim) * usable_cores()[0]))

@@ -42,13 +42,14 @@ import torch
 
 from pydantic import ValidationError
 
-from embbench import cell_process
+from embbench import cell_process, owned
 from embbench.data.cache import pid_alive
 from embbench.noise import mem_available
 from embbench.device import resolve_device
 from embbench.provenance import provenance
-from embbench.results import (EVAL_DIR, EVAL_SCORES, Record, RecordError, Status, load_records, read_record,
-                              scenario_differences, schema_error, write_eval_scores, write_record)
+from embbench.results import (EVAL_DIR, EVAL_SCORES, WEIGHTS_NOT_SAVED, Record, RecordError, Status, load_records,
+                              read_record, scenario_differences, schema_error, write_record)
+from embbench.eval_scores import write_eval_scores
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, Scenario
 from embbench.strategy import MemoryFootprint, RuntimeEnv, Unsupported, estimate_kwargs
 
@@ -64,6 +65,21 @@ class CellOutcome:
     status: Status
     message: str | None
     metrics: dict[str, Any] | None
+    #: why a ``skipped`` cell was (:class:`Refusal`'s cause)
+    cause: str | None = None
+
+
+class Refusal(str):
+    """The preflight's reason a cell cannot run here, and its ``cause``: ``memory`` or ``drive``
+    (space: a smaller ``--scale`` may fit), ``store_dir`` (the folder itself) or ``shape`` (the
+    strategy's own refusal of this shape, ``MemoryFootprint.refusal``): no smaller scale mends those."""
+
+    cause: str
+
+    def __new__(cls, text: str, cause: str) -> "Refusal":
+        refusal = super().__new__(cls, text)
+        refusal.cause = cause
+        return refusal
 
 
 def _free_port() -> int:
@@ -152,16 +168,16 @@ def _main_module_hidden():
 
 
 def _kill(procs: list[Any]) -> None:
+    """Kill the ranks and every process they started (each rank leads a session of its own):
+    the session too of a rank that has ended, where a plugin's child may live on."""
     procs = [p for p in procs if p.pid is not None]  # one interrupted before it started has nothing to kill
     for p in procs:
-        if p.exitcode is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):  # not yet in its own session
-                try:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not yet in its own session, or nothing left in it
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
     for p in procs:
         p.join()
 
@@ -258,6 +274,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             "work_dir": str(work),
         }
         spec_path = tmp_dir / "spec.json"
+        claims = tmp_dir / "claims.txt"  # what the ranks make outside the cell's folders (embbench.owned)
         spec_path.write_text(json.dumps(spec))
         port = _free_port()
         procs: list[Any] = []
@@ -277,7 +294,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
                 env = {k: v for k, v in os.environ.items() if k != "EMBBENCH_LAUNCHER_PID"}
                 env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cell.world_size),
                            LOCAL_WORLD_SIZE=str(cell.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           PYTHONUNBUFFERED="1")
+                           PYTHONUNBUFFERED="1", **{owned.RUN_ENV: owned.run_id(), owned.CLAIMS_ENV: str(claims)})
                 try:
                     if forked:
                         proc = ctx.Process(target=cell_process.rank_main, args=(str(spec_path), str(log), env, list(sys.path)),
@@ -306,6 +323,7 @@ def run_isolated(scenario: Scenario, scenario_file: str, cell: Cell, log_dir: Pa
             ended = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         finally:
             _kill(procs)  # reaps everything, also on KeyboardInterrupt
+            owned.remove_claimed(claims, owned.run_id())  # the files the ranks made outside work/ (a row file)
         _poll_progress(tmp_dir / "progress.json", progress, on_progress)  # the last phase reached
         errors = [(json.loads(p.read_text()), p.stem.removeprefix("error.rank")) for p in tmp_dir.glob("error.rank*.json")]
         if errors:
@@ -532,6 +550,7 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
     baseline_by_precision: dict[str, Record] = {}  # the baseline's cell in each row precision, with its weights
     baseline_ok: Record | None = None  # the baseline's record, for the loss check
     fp32_records: dict[str, Record] = {}  # by the fp32 cell's id
+    told_unsaved = False  # that flushed weights could not be saved
     initial: list[torch.Tensor] | None = None
     records = []
     for cell in cells:
@@ -552,6 +571,11 @@ def run_cells(scenario: Scenario, scenario_file: str, cells: list[Cell], out_dir
                                  provenance=provenance(cell.strategy))
         if record.status == "ok" and cell.strategy == scenario.baseline and baseline_ok is None:
             baseline_ok = record
+        unsaved = (record.metrics or {}).get("weights_not_compared", "") if cell.id not in done else ""
+        if unsaved.startswith(WEIGHTS_NOT_SAVED) and not told_unsaved:  # a full disk: said once, not only in records
+            notice(f"{unsaved}; the weights of this and later cells are not compared where they cannot be saved "
+                   "(each record says so)")
+            told_unsaved = True
         diffs = _loss_diffs(record, baseline_ok) if write else {}
         if diffs:
             record.metrics.update(diffs)
@@ -689,9 +713,36 @@ def memory_estimate(scenario: Scenario, cell: Cell) -> MemoryFootprint | None:
     """The strategy's static bytes per rank for this cell (``Strategy.estimate_memory``, given the
     run's batch, training batches and row precision where it declares them), or None."""
     strategy = cell.make_strategy()
-    run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
-                          train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision)
-    return strategy.estimate_memory(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+    estimate = strategy.estimate_memory
+    key = (scenario.digest(), cell.id, getattr(estimate, "__func__", estimate))  # a method replaced: asked anew
+    if key not in _estimates:  # --dry-run asks twice a cell (its row, its preflight); a profile is costly
+        run = estimate_kwargs(strategy, local_batch_size=scenario.data.batch_size // cell.world_size,
+                              train_steps=scenario.run.training_batches_read() - 1, row_precision=cell.row_precision,
+                              train_batches=lambda n: _training_batches(scenario, n))
+        _estimates[key] = estimate(scenario.tables(), scenario.optimizer.embedding, cell.world_size, **run)
+    return _estimates[key]
+
+
+_estimates: dict[tuple[str, str, Callable], MemoryFootprint | None] = {}
+
+
+_made_batches: dict[tuple[str, int], list] = {}
+
+
+def _training_batches(scenario: Scenario, n: int) -> list:
+    """The first ``n`` training batches a rank of a one-rank cell builds with (``ctx.train_batches``:
+    the data's order), made as the runner makes them, for an estimate that depends on the data (a
+    row file's blocks a batch touches); the last scenario's are kept (its cells ask in turn)."""
+    key = (scenario.digest(), n)
+    if key not in _made_batches:
+        from embbench.stream import TrainingStream
+
+        run = scenario.run
+        stream = TrainingStream(scenario.data_source(torch.device("cpu")), scenario.data.batch_size, 0, 1,
+                                num_batches=run.training_batches_read())
+        _made_batches.clear()
+        _made_batches[key] = [stream.fresh(i) for i in range(n)]
+    return _made_batches[key]
 
 
 def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
@@ -728,43 +779,50 @@ def memory_preflight(scenario: Scenario, cell: Cell, device: torch.device,
     if (on_host + process) * cell.world_size > (1 - HOST_HEADROOM) * free:
         pinned = "".join(f", {n / 2**30:,.2f} GiB of it {what}" for n, what in
                          ((est.pinned_bytes, "pinned"), (est.managed_bytes, "managed")) if n)
-        return per_rank, (f"not attempted: estimated {(on_host + process) * cell.world_size / 2**30:,.1f} GiB of host "
-                          f"memory ({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned} + "
-                          f"{process / 2**30:,.2f} GiB a rank's process), this machine has {free / 2**30:,.1f} GiB free "
-                          f"({source}; {_host_memory_bytes() / 2**30:,.1f} GiB in all), of which a cell may take "
-                          f"{100 * (1 - HOST_HEADROOM):.0f}% (--force runs it anyway)")
+        return per_rank, Refusal(
+            f"not attempted: estimated {(on_host + process) * cell.world_size / 2**30:,.1f} GiB of host memory "
+            f"({cell.world_size} rank(s) x {on_host / 2**30:,.2f} GiB{pinned} + {process / 2**30:,.2f} GiB a rank's "
+            f"process), this machine has {free / 2**30:,.1f} GiB free ({source}; {_host_memory_bytes() / 2**30:,.1f} "
+            f"GiB in all), of which a cell may take {100 * (1 - HOST_HEADROOM):.0f}% (--force runs it anyway)", "memory")
     if est.disk_bytes:
         refused = _disk_preflight(est, cell.world_size, Path(est.disk_dir) if est.disk_dir else run_dir or Path.cwd())
         if refused:
             return per_rank, refused
+    if est.refusal:
+        return per_rank, Refusal(f"not attempted: {est.refusal}", "shape")
     if device.type == "cuda" and torch.cuda.is_available():
         for rank in range(min(cell.world_size, torch.cuda.device_count())):
             gpu_free, gpu_total = _free_device_bytes(torch.device("cuda", rank))
             if est.device_bytes > gpu_free:
-                return per_rank, (f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device memory per "
-                                  f"rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
-                                  f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)")
+                return per_rank, Refusal(f"not attempted: estimated {est.device_bytes / 2**30:,.1f} GiB of device "
+                                         f"memory per rank, GPU {rank} has {gpu_free / 2**30:,.1f} GiB free of "
+                                         f"{gpu_total / 2**30:,.1f} GiB (--force runs it anyway)", "memory")
             if est.managed_bytes and est.device_bytes + est.managed_bytes > gpu_free:
-                return per_rank, (f"not attempted: estimated {est.managed_bytes / 2**30:,.1f} GiB of managed (unified) "
-                                  f"memory per rank beside {est.device_bytes / 2**30:,.1f} GiB of device memory, GPU "
-                                  f"{rank} has {gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed "
-                                  f"memory beyond the GPU's free memory can hang it (--force runs it anyway)")
+                return per_rank, Refusal(
+                    f"not attempted: estimated {est.managed_bytes / 2**30:,.1f} GiB of managed (unified) memory per "
+                    f"rank beside {est.device_bytes / 2**30:,.1f} GiB of device memory, GPU {rank} has "
+                    f"{gpu_free / 2**30:,.1f} GiB free of {gpu_total / 2**30:,.1f} GiB: managed memory beyond the "
+                    "GPU's free memory can hang it (--force runs it anyway)", "memory")
     return per_rank, None
 
 
-def _disk_preflight(est: MemoryFootprint, world_size: int, folder: Path) -> str | None:
+def _disk_preflight(est: MemoryFootprint, world_size: int, folder: Path) -> Refusal | None:
     """Why the strategy's files cannot go in ``folder`` (it is missing, not writable, or its drive
-    lacks the space), or None. A run directory not made yet is measured where it will be."""
+    lacks the space), or None. A run directory not made yet is measured where it will be; files
+    that dead runs left there (:mod:`embbench.owned`: removed when the cell starts) count as free."""
     if est.disk_dir and not Path(est.disk_dir).is_dir():
-        return f"not attempted: store_dir {est.disk_dir} " + ("is not a directory" if Path(est.disk_dir).exists()
-                                                              else "does not exist")
+        return Refusal(f"not attempted: store_dir {est.disk_dir} " + (
+            "is not a directory" if Path(est.disk_dir).exists() else "does not exist"), "store_dir")
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if est.disk_dir and not os.access(existing, os.W_OK | os.X_OK):
-        return f"not attempted: store_dir {est.disk_dir} is not writable by this user"
-    need, free = est.disk_bytes * world_size, shutil.disk_usage(existing).free
+        return Refusal(f"not attempted: store_dir {est.disk_dir} is not writable by this user", "store_dir")
+    need = est.disk_bytes * world_size + est.scratch_bytes
+    free = shutil.disk_usage(existing).free + owned.abandoned_bytes(existing)
     if need > free:
-        return (f"not attempted: estimated {need / 2**30:,.1f} GiB of files in {folder} ({world_size} rank(s) x "
-                f"{est.disk_bytes / 2**30:,.2f} GiB), its drive has {free / 2**30:,.1f} GiB free (--force runs it anyway)")
+        scratch = f" and {est.scratch_bytes / 2**30:,.2f} GiB of scratch" if est.scratch_bytes else ""
+        return Refusal(f"not attempted: estimated {need / 2**30:,.1f} GiB of files in {folder} ({world_size} rank(s) x "
+                       f"{est.disk_bytes / 2**30:,.2f} GiB{scratch}), its drive has {free / 2**30:,.1f} GiB free "
+                       "(--force runs it anyway)", "drive")
     return None
 
 
@@ -803,5 +861,5 @@ def outcome_without_launch(scenario: Scenario, cell: Cell, force: bool = False,
     except RuntimeError as e:
         return CellOutcome("error", str(e), None)
     if too_big and not force:
-        return CellOutcome("skipped", too_big, None)
+        return CellOutcome("skipped", too_big, None, getattr(too_big, "cause", "memory"))
     return None

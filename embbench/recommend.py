@@ -26,8 +26,9 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from embbench.columns import flat_rows, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
+from embbench.eval_scores import read_eval_scores
 from embbench.metrics import accuracy_warnings
-from embbench.results import EVAL_DIR, Record, RecordError, read_eval_scores
+from embbench.results import Record, RecordError
 from embbench.stats import AucComparison, delong, interval_text
 
 __all__ = ["Budget", "Candidate", "Recommendation", "Suggestion", "accuracy_reference", "format_bytes", "parse_size",
@@ -248,18 +249,20 @@ def accuracy_reference(records: list[Record]) -> Record | None:
     return next((r for r in measured if r.row_precision == "fp32"), measured[0] if measured else None)
 
 
-def _auc_test(reference: Record, record: Record, run_dir: str) -> AucComparison | None:
+def _auc_test(reference: Record, record: Record, run_dir: str) -> AucComparison | str | None:
     """``record``'s AUC against ``reference``'s: DeLong's test on the same evaluation samples
     (the run's ``eval/`` files); where they are missing, the two standard errors the records
-    hold, unpaired (wider than the paired one); None where neither is there."""
+    hold, unpaired (wider than the paired one); None where neither is there. An eval file that
+    is there and damaged (:func:`read_eval_scores`) cannot be judged: what is wrong, as a string."""
     files = [get(x.metrics, "accuracy", "eval_file") for x in (reference, record)]
-    try:
-        if all(files):
-            (a, labels_a), (b, labels_b) = (read_eval_scores(Path(run_dir) / EVAL_DIR / f) for f in files)
-            if np.array_equal(labels_a, labels_b):
-                return delong(labels_a, a, b)
-    except RecordError:
-        pass
+    if all(files):
+        try:
+            (a, labels_a), (b, labels_b) = (read_eval_scores(Path(run_dir), f, get(x.metrics, "accuracy", "eval_samples"))
+                                            for f, x in zip(files, (reference, record)))
+        except RecordError as e:
+            return str(e)
+        if np.array_equal(labels_a, labels_b):
+            return delong(labels_a, a, b)
     aucs = [get(x.metrics, "accuracy", "auc") for x in (reference, record)]
     errors = [get(x.metrics, "accuracy", "auc_standard_error") for x in (reference, record)]
     if None in aucs or None in errors:
@@ -343,7 +346,9 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                 drop = (f"AUC {row['auc']:.4f} is {base_auc - row['auc']:.4f} below the baseline's {base_auc:.4f} "
                         f"(tolerance {auc_tolerance:g})")
                 test = _auc_test(base, r, run_dir)
-                if test is None:
+                if isinstance(test, str):
+                    why.append(f"{drop}; cannot judge it against its sampling error: {test}")
+                elif test is None:
                     why.append(drop + ", not weighed against its sampling error (no evaluation scores in the records)")
                 elif test.p_value < alpha:
                     why.append(f"{drop}, beyond its sampling error ({_auc_noise_text(test)})")

@@ -230,6 +230,37 @@ class Noise(TypedDict):
 
 
 @_open
+class Tier(TypedDict):
+    """One memory tier's figures (:func:`embbench.metrics.memory_tiers`): the shares served, its
+    traffic a step with the tier below, and on the drive its I/Os and stalls (None: not counted)."""
+
+    tier: Literal["hbm", "dram", "nvme"]
+    hit_rate: Rate | None
+    hit_rate_of_reaching: Rate | None
+    hit_rate_per_access: NotRequired[Rate | None]
+    reaching_per_step: NonNegative | None
+    rows_read_per_step: NotRequired[NonNegative | None]
+    bytes_read_per_step: NotRequired[NonNegative | None]
+    rows_written_per_step: NotRequired[NonNegative | None]
+    bytes_written_per_step: NotRequired[NonNegative | None]
+    write_misses_per_step: NotRequired[NonNegative | None]
+    pages_read_per_step: NotRequired[NonNegative | None]
+    pages_written_per_step: NotRequired[NonNegative | None]
+    ios_per_step: NotRequired[NonNegative | None]
+    pages_read_on_demand_per_step: NotRequired[NonNegative | None]
+    read_amplification: NotRequired[NonNegative | None]
+    stall_seconds_per_step: NotRequired[NonNegative | None]
+    reads_per_second: NotRequired[NonNegative | None]
+
+
+def _one_of_each(tiers: list[dict] | None) -> list[dict] | None:
+    names = [t["tier"] for t in tiers or []]
+    if len(set(names)) != len(names):
+        raise PydanticCustomError("tiers", "a tier listed twice: {names}", {"names": ", ".join(names)})
+    return tiers
+
+
+@_open
 class Metrics(TypedDict):
     """What an ``ok`` cell measured (:func:`embbench.runner.run_cell`)."""
 
@@ -280,6 +311,7 @@ class Metrics(TypedDict):
     #: max and mean |Δw| from the same cell in fp32, over the rows that cell trained
     weight_diff_vs_fp32: NotRequired[WeightDistance]
     weights_not_compared_fp32: NotRequired[str]  # why weight_diff_vs_fp32 is absent
+    tiers: NotRequired[Annotated[list[Tier], Field(min_length=1), AfterValidator(_one_of_each)]]
 
 
 @_open
@@ -497,26 +529,9 @@ RUN_CURVE = "curve.json"
 #: (:func:`write_eval_scores`) and the record keeps the file's name (``accuracy.eval_file``).
 EVAL_SCORES = "eval_scores"
 EVAL_DIR = "eval"
-
-
-def write_eval_scores(path: Path, scores: list[float], labels: list[int]) -> Path:
-    """A cell's evaluation scores (logits) and labels, for tests of AUCs on the same samples."""
-    import numpy as np
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(path, lambda f: np.savez_compressed(f, scores=np.asarray(scores, dtype=np.float32),
-                                                             labels=np.asarray(labels, dtype=np.uint8)))
-
-
-def read_eval_scores(path: Path) -> tuple[Any, Any]:
-    """(scores, labels) of :func:`write_eval_scores`; a RecordError naming a missing or damaged file."""
-    import numpy as np
-
-    try:
-        with np.load(path) as data:
-            return data["scores"], data["labels"]
-    except (OSError, ValueError, KeyError) as e:
-        raise RecordError(f"{path}: evaluation scores missing or damaged ({type(e).__name__}: {e})") from None
+#: How ``metrics.weights_not_compared`` begins where the rank could not write the flushed weights
+#: (a full disk): the launcher says it on the console too.
+WEIGHTS_NOT_SAVED = "cannot save the flushed weights"
 
 
 def load_records(paths: Path | list[Path], on_damaged: Callable[[RecordError], None] | None = None) -> list[Record]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embbench import noise
+from embbench import noise, owned
 from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench.data.sources import eval_batches
 from embbench.data.weights import initial_weights
@@ -37,7 +37,7 @@ from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, 
 from embbench.model import build_model
 from embbench.outputs import atomic_write
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
-from embbench.results import EVAL_SCORES
+from embbench.results import EVAL_SCORES, WEIGHTS_NOT_SAVED
 from embbench.row_precision import row_type
 from embbench.scenario import OPS_STEPS, PROFILE_STEPS, Cell, RunConfig, Scenario
 from embbench.stream import TrainingStream
@@ -526,7 +526,7 @@ def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: f.write(data.getbuffer()))  # whole or not at all: no half file to compare
     except OSError as e:
-        return {"weights_file": None, "weights_not_compared": f"cannot save the flushed weights to {path}: {e.strerror}"}
+        return {"weights_file": None, "weights_not_compared": f"{WEIGHTS_NOT_SAVED} to {path}: {e.strerror}"}
     return {"weights_file": path.name}
 
 
@@ -723,6 +723,8 @@ def _die_with_the_launcher(scratch: Path) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(0.2)
+        if os.environ.get(owned.CLAIMS_ENV):  # the row files this cell made outside its scratch
+            owned.remove_claimed(Path(os.environ[owned.CLAIMS_ENV]), owned.run_id())
         shutil.rmtree(scratch, ignore_errors=True)
         os._exit(1)
 

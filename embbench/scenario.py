@@ -226,6 +226,13 @@ class RunConfig(_Strict):
 
         return max(1, usable_cores()[0] // world_size)
 
+    @model_validator(mode="after")
+    def _warmup_range(self) -> "RunConfig":
+        if isinstance(self.warmup_max_steps, int) and self.warmup_max_steps < self.warmup_steps:
+            raise _key_error("warmup_max_steps", f"{self.warmup_max_steps} is below warmup_steps ({self.warmup_steps}): "
+                             "the warm-up runs at least warmup_steps and at most warmup_max_steps")
+        return self
+
     @property
     def warmup_bound(self) -> int:
         """The most warm-up steps a cell may run."""

@@ -13,7 +13,9 @@ third party's would::
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -127,7 +129,8 @@ class MemoryFootprint:
     ``managed_bytes``: of ``host_bytes``, those in CUDA managed (unified) memory, which the GPU
     pages in on demand: the preflight also holds them to the GPU's free memory.
     ``disk_bytes``: a file the strategy writes on a drive, in ``disk_dir`` (None: the cell's
-    own folder in the run directory); the preflight holds them to that drive's free space.
+    own folder in the run directory); the preflight holds them to that drive's free space, with
+    ``scratch_bytes`` beside them (once for the cell, not per rank: a drive probe's file).
     """
 
     device_bytes: int = 0
@@ -136,6 +139,9 @@ class MemoryFootprint:
     managed_bytes: int = 0
     disk_bytes: int = 0
     disk_dir: str | None = None
+    scratch_bytes: int = 0
+    #: why the strategy cannot run at this shape, known before it starts (the preflight skips the cell)
+    refusal: str | None = None
 
 
 @dataclass
@@ -338,8 +344,11 @@ class Strategy(abc.ABC):
         An override may also declare the keyword arguments ``local_batch_size`` (samples per
         step on a rank), ``train_steps`` (the training batches the run hands the module, so
         the most :meth:`SparseModule.look_ahead` ever sees) and ``row_precision`` (the cell's
-        ``run.row_precision``: :func:`~embbench.row_precision.table_bytes` counts its rows);
-        the preflight and ``--dry-run`` pass those it declares (:func:`estimate_kwargs`)."""
+        ``run.row_precision``: :func:`~embbench.row_precision.table_bytes` counts its rows) and
+        ``train_batches`` (as ``BuildContext.train_batches``: the first n training batches, made
+        as a one-rank cell's build gets them; ``world_size`` 1 only, and costly: for a refusal
+        that depends on the data, returned as ``MemoryFootprint.refusal``); the preflight and
+        ``--dry-run`` pass those it declares (:func:`estimate_kwargs`)."""
         return None
 
     def schedule(self, ctx: ScheduleContext) -> Schedule | None:
@@ -352,7 +361,7 @@ class Strategy(abc.ABC):
 
 
 def estimate_kwargs(strategy: Strategy, **run: Any) -> dict[str, Any]:
-    """Of ``run`` (``local_batch_size``, ``train_steps``, ``row_precision``), what
+    """Of ``run`` (``local_batch_size``, ``train_steps``, ``row_precision``, ``train_batches``), what
     ``strategy.estimate_memory`` declares."""
     accepted = inspect.signature(strategy.estimate_memory).parameters
     return {key: value for key, value in run.items() if key in accepted}
@@ -377,20 +386,47 @@ def _validate(name: str, cls: object, source: str) -> type[Strategy]:
 @cache
 def _discover() -> tuple[dict[str, type[Strategy]], dict[str, str]]:
     """Every ``embbench.strategies`` entry point: the usable strategies, and why the others are
-    broken (an import that fails, a class that breaks the contract, a name taken twice)."""
+    broken (an import that fails, or exits, a class that breaks the contract, a name taken twice).
+
+    A plugin runs its import here: whatever it prints goes to stderr (stdout may be a command's
+    JSON), and whatever it raises, ``SystemExit`` included, breaks that plugin only. A plugin that
+    takes a built-in strategy's name is ignored, named with both entry points (the built-in stays);
+    two plugins that take one name are both broken."""
+    by_name: dict[str, list] = {}
+    for ep in entry_points(group="embbench.strategies"):
+        by_name.setdefault(ep.name, []).append(ep)
     found: dict[str, type[Strategy]] = {}
     broken: dict[str, str] = {}
-    for ep in entry_points(group="embbench.strategies"):
-        if ep.name in found or ep.name in broken:
-            found.pop(ep.name, None)
-            broken[ep.name] = f"strategy {ep.name!r} is registered twice ({ep.value})"
-            continue
+    for name, points in by_name.items():
+        builtin = [ep for ep in points if _is_builtin(ep)]
+        if len(points) > 1:
+            where = " and ".join(_entry_point_text(ep) for ep in points)
+            if len(builtin) != 1:
+                broken[name] = f"strategy {name!r} is registered twice: {where}"
+                continue
+            for ep in points:
+                if ep is not builtin[0]:
+                    broken[f"{name} ({ep.value})"] = (f"strategy {name!r} is registered twice: {where}; the built-in "
+                                                      "one is used, the plugin's is ignored (rename it)")
+            points = builtin
+        ep = points[0]
         try:
-            found[ep.name] = _validate(ep.name, ep.load(), ep.value)
-        except Exception as e:  # a third party's package must not break every run
-            broken[ep.name] = str(e) if isinstance(e, TypeError) else \
-                f"strategy {ep.name!r} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}"
+            with contextlib.redirect_stdout(sys.stderr):
+                found[name] = _validate(name, ep.load(), ep.value)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # a third party's package must not break (or end) every command
+            broken[name] = str(e) if isinstance(e, TypeError) else \
+                f"strategy {name!r} ({ep.value}) cannot be loaded: {type(e).__name__}: {e}"
     return dict(sorted(found.items())), dict(sorted(broken.items()))
+
+
+def _is_builtin(ep) -> bool:
+    return ep.dist is not None and ep.dist.name == "embbench"
+
+
+def _entry_point_text(ep) -> str:
+    return f"{ep.value} ({ep.dist.name} {ep.dist.version})" if ep.dist is not None else ep.value
 
 
 def load_strategies() -> dict[str, type[Strategy]]:

@@ -90,10 +90,10 @@ def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     records = [json.loads(p.read_text()) for p in (tmp_path / "run").glob("*.json")]
     assert len(records) == 4 and all(r["status"] == "ok" and 0 < r["metrics"]["accuracy"]["auc"] < 1 for r in records)
     # each cell's evaluation scores beside the records, on the same samples (issue 41: recommend's DeLong test)
-    from embbench.results import read_eval_scores
+    from embbench.eval_scores import read_eval_scores
     from embbench.stats import auc_standard_error
 
-    scored = [read_eval_scores(tmp_path / "run" / "eval" / r["metrics"]["accuracy"]["eval_file"]) for r in records]
+    scored = [read_eval_scores(tmp_path / "run", r["metrics"]["accuracy"]["eval_file"]) for r in records]
     for r, (scores, labels) in zip(records, scored):
         accuracy = r["metrics"]["accuracy"]
         assert len(labels) == accuracy["eval_samples"] and (labels == scored[0][1]).all()
@@ -190,3 +190,18 @@ def test_printed_commands_start_with_the_executable_the_user_typed(tmp_path):
                               capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr
         assert f"run it with: {shlex.join([*program, 'run', str(scenario), '--data-cache', str(cache)])}" in proc.stdout
+
+
+@pytest.mark.slow  # a fresh interpreter importing embbench (over 3 s on 2 cores)
+def test_a_ctrl_c_during_the_interpreter_s_exit_prints_no_traceback(tmp_path):
+    """Issue 50, 11: after the command, a Ctrl-C that lands in an exit handler (the third of a
+    run's, say) ends the process with 130 and no traceback."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))  # runs at exit\n"
+              "from embbench.cli import main\n"
+              "sys.argv = ['embbench', 'strategies']\n"
+              "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    assert done.returncode == 130

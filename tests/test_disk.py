@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections import namedtuple
@@ -321,14 +323,59 @@ def test_the_library_is_built_once_into_the_cache_keyed_by_its_source(drive_dir,
     monkeypatch.delenv("CC", raising=False)
     lib, why = native_library()
     assert lib is not None and why == ""
-    built = list((drive_dir / "cache" / "embbench").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("pageio-") and built[0].suffix == ".so"
+    built = sorted((drive_dir / "cache" / "embbench").iterdir())
+    assert len(built) == 2 and built[0].name.startswith("pageio-") and built[0].suffix == ".so"
+    assert built[1].name == built[0].name + ".sha256"  # the hash of what the build wrote
     monkeypatch.setenv("CC", "no-such-cc-embbench")  # built: no compiler needed any more
     assert native_library()[0] is not None
     monkeypatch.setattr(reader_module, "_SOURCE", drive_dir / "pageio.c")
     (drive_dir / "pageio.c").write_bytes(Path(pagefile_module.__file__).with_name("pageio.c").read_bytes()
                                         + b"\n/* changed */\n")
     assert native_library() == (None, "no C compiler: no-such-cc-embbench not found")  # a new source: a new build
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_a_truncated_library_is_rebuilt_not_loaded(drive_dir):
+    """Issue 50, 4: mapping a short library kills the process with SIGBUS; its hash tells first.
+    (Each step in a process of its own: this one never maps the file.)"""
+    env = dict(os.environ, XDG_CACHE_HOME=str(drive_dir / "cache"), PYTHONPATH=str(Path(__file__).parents[1]))
+    env.pop("CC", None)
+
+    def reader_name() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "from embbench.disk import reader\n"
+                               "print(reader.get_reader(2).name)"], env=env, capture_output=True, text=True, timeout=300)
+
+    assert reader_name().stdout.strip() == "native pread pool, 2 threads"
+    library = next((drive_dir / "cache" / "embbench").glob("pageio-*.so"))
+    short = library.with_name("short")
+    short.write_bytes(library.read_bytes()[: library.stat().st_size // 3])
+    os.replace(short, library)  # as an interrupted copy leaves it
+    done = reader_name()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "native pread pool, 2 threads"  # rebuilt
+    assert reader_module._intact(library)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_a_library_without_the_reader_s_functions_falls_back_and_says_so(drive_dir, monkeypatch):
+    """A file under the library's name, intact as its hash says, that is not the reader's: the
+    Python pool reads, and its name says why (before: AttributeError, no fall-back)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(drive_dir / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    library = reader_module._library_path()  # never loaded by this process: it is not the reader's
+    library.parent.mkdir(parents=True)
+    other = drive_dir / "other.c"
+    other.write_text("int something_else(void) { return 1; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(other)], check=True)
+    Path(str(library) + ".sha256").write_text(reader_module._digest(library))
+    lib, why = native_library()
+    assert lib is None and why.startswith(f"loading {library} failed: ") and "pageio_threads" in why
+    reader = get_reader(3)
+    assert reader.engine == "python" and "pageio_threads" in reader.name
+    monkeypatch.setenv("CC", "no-such-cc-embbench")  # damaged and no compiler: said, and the pool reads
+    (drive_dir / "short").write_bytes(b"\x7fELF")
+    os.replace(drive_dir / "short", library)  # a new file: the one this process mapped stays whole
+    assert native_library() == (None, f"no C compiler: no-such-cc-embbench not found (and {library} is damaged)")
 
 
 def test_reader_arguments_are_checked():
@@ -374,13 +421,45 @@ def test_the_probe_on_tmpfs_says_so_and_measures_no_drive():
 @pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError])
 def test_the_scratch_file_is_removed_when_the_probe_is_stopped(drive_dir, monkeypatch, fault):
     def stopped(*args):
-        assert len(list(drive_dir.iterdir())) == 1  # the scratch file exists now
+        assert len(list(drive_dir.glob(".embbench-disk-probe-*.pages"))) == 1  # the scratch file exists now
         raise fault()
 
     monkeypatch.setattr(probe_module, "_rate", stopped)
     with pytest.raises(fault):
         measure_drive(drive_dir, seconds=0.05, depths=(1,), file_bytes=8 * PAGE)
     assert list(drive_dir.iterdir()) == []
+
+
+def test_a_killed_probe_s_scratch_file_is_removed_by_the_next_probe(drive_dir):
+    """Issue 50, 2: SIGKILL leaves the scratch file; its owner note names a dead pid, so the next
+    probe in that folder removes it (a file of that name without a note is not the probe's)."""
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal\n"
+                               "from embbench.disk import probe\n"
+                               "probe._rate = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+                               f"probe.measure_drive({str(drive_dir)!r}, 0.05, (1,), 8 * 4096)"],
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    assert killed.wait() == -9
+    left = sorted(p.name for p in drive_dir.iterdir())
+    assert len(left) == 2 and left[0].endswith(".pages") and left[1].endswith(".pages.embbench-owner")
+    (drive_dir / ".embbench-disk-probe-1-mine.pages").write_text("not the probe's")
+    measure_drive(drive_dir, seconds=0.02, depths=(1,), file_bytes=8 * PAGE, ceiling_seconds=0.02)
+    assert [p.name for p in drive_dir.iterdir()] == [".embbench-disk-probe-1-mine.pages"]
+
+
+def test_a_depth_s_rate_is_never_of_no_reads_and_its_buffer_is_bounded(drive_dir, monkeypatch):
+    sizes = []
+    real = probe_module.aligned_pages
+    monkeypatch.setattr(probe_module, "aligned_pages", lambda n: sizes.append(n) or real(n))
+    probe = measure_drive(drive_dir, seconds=0.01, depths=(1, 1024), file_bytes=8 * PAGE, ceiling_seconds=0.01)
+    assert all(rate.reads > 0 and rate.reads_per_s > 0 for rate in probe.drive + probe.memory)
+    assert max(sizes) <= probe_module.MAX_BATCH_PAGES
+
+
+@pytest.mark.slow  # a fresh interpreter importing embbench (over 3 s on 2 cores)
+def test_python_m_probe_is_no_command_and_says_which_is(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "embbench.disk.probe"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])), timeout=120)
+    assert done.returncode == 2 and "usage: embbench disk" in done.stderr
 
 
 def test_the_command_prints_the_table(drive_dir, capsys):
@@ -412,4 +491,14 @@ def test_the_command_refuses_a_bad_folder_in_one_line(drive_dir, capsys, monkeyp
                                        f"needs 1.00 GiB, 1.00 MiB free on {mount_of(drive_dir).device}\n")
     assert disk_command.main(probe_args(str(drive_dir), "--depths", "1,x")) == 2
     assert "--depths '1,x': expected numbers separated by commas" in capsys.readouterr().err
+    monkeypatch.undo()
+    bounds = {("--seconds", "nan"): "seconds nan: expected 0.01 to 600 seconds at each depth",
+              ("--seconds", "1e-9"): "seconds 1e-09: expected 0.01 to 600 seconds at each depth",
+              ("--seconds", "inf"): "seconds inf: expected 0.01 to 600 seconds at each depth",
+              ("--seconds", "1e9"): "seconds 1000000000.0: expected 0.01 to 600 seconds at each depth",
+              ("--depths", "100000"): "depths 100000: expected 1 to 1024 reads in flight",
+              ("--depths", "0,4"): "depths 0, 4: expected 1 to 1024 reads in flight"}
+    for (flag, value), message in bounds.items():  # issue 50, 8: a traceback, a run for ever, 12.5 GiB asked
+        assert disk_command.main(probe_args(str(drive_dir), flag, value)) == 2
+        assert capsys.readouterr().err == f"embbench disk: {message}\n"
     assert list(drive_dir.iterdir()) == [drive_dir / "file"]

@@ -190,6 +190,27 @@ def test_the_suggested_scale_states_its_time_and_fewer_steps_when_it_would_hit_t
     assert all(t.seconds <= 30 for t in estimate.cell_times(smaller, cells, [], CPU, lambda c: None))
 
 
+def test_a_huge_embedding_dim_is_estimated_from_shapes_without_allocating_it():
+    """Issue 50, 9: `--embedding-dim 1e9 --dry-run` built the dense model whole (128 GB and more)."""
+    scenario, _ = parse_scenario(tiny_scenario(data={"embedding_dim": 10**9}, model={"bottom_mlp": [16, 10**9]}), "t.yaml")
+    tables = scenario.tables()
+    step = estimate._rough_step(scenario, tables, 64, 1)
+    assert 0 < step < float("inf")
+    assert 0 < estimate.fill_rate(10**9) < float("inf")  # timed on a chunk of bounded size
+
+
+@pytest.mark.parametrize("figures", [{"step": 1e300}, {"generator_samples_per_s": 1e-300}])
+def test_an_earlier_run_s_absurd_figures_are_not_an_estimate(tmp_path, fixed_calibration, figures):
+    """Issue 50, 9: a recorded step of 1e300 s or a generator of 1e-300 samples a second failed the
+    estimate (an overflow); such a record gives none, the calibration does."""
+    raw = tiny_scenario(strategies=[{"name": "device"}])
+    scenario, _ = parse_scenario(raw, "t.yaml")
+    run = write_run(tmp_path / "absurd", [_earlier(scenario, **figures)])
+    (device,) = _times(raw, [run])
+    assert device.source == "calibrated"
+    assert estimate.duration(float("inf")) == estimate.duration(1e300) == "over 100 days"
+
+
 def test_one_calibration_serves_every_scale_so_the_estimate_grows_with_the_tables(monkeypatch):
     """Issue 49, point 3: a machine's load between two calibrations made --scale 0.0001 look longer
     than --scale 0.2; a shape is calibrated once, and only the build grows with the tables."""

@@ -4,8 +4,9 @@ left by a killed run is removed, one a live run holds is refused; bad store sett
 errors that name them."""
 
 import errno
-import fcntl
+import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
+from embbench import owned
 from embbench.cache import FreqCache, FreqCacheParams
 from embbench.cache.file_rows import FileRows
 from embbench.data import SparseFeatures, TableSpec
@@ -135,24 +137,66 @@ def test_a_store_dir_that_is_missing_or_a_file_is_named(tmp_path):
         _pair(tables, batches, opt, tmp_path / "file")
 
 
-def test_a_killed_run_s_store_is_removed_and_a_live_one_refused(tmp_path):
-    abandoned = tmp_path / "embbench-999999-rank0-0.rows"
-    abandoned.write_bytes(b"\0" * 4096)  # no process holds its lock: a killed run's
-    live = tmp_path / "embbench-1-rank0-0.rows"
-    live.write_bytes(b"\0" * 4096)
+def _noted(path, run, pid):
+    """A row file with the owner note a run writes beside it (embbench.owned)."""
+    path.write_bytes(b"\0" * 4096)
+    Path(str(path) + owned.NOTE_SUFFIX).write_text(json.dumps({"file": path.name, "run": run, "pids": [pid]}))
+    return path
+
+
+def _dead_pid():
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_run_s_store_is_removed_and_another_live_run_s_refused(tmp_path):
+    abandoned = _noted(tmp_path / "embbench-999999-rank0-0.rows", "999999-dead", _dead_pid())
+    live = _noted(tmp_path / "embbench-1-rank0-0.rows", "1-other", os.getppid())  # a live process, another run
     tables = [TableSpec("a", 4000, 8, 1, 1.0)]
     batches = _batches(tables, 2, 8, 0)
     opt = EmbeddingOptimizer(type="sgd", lr=0.1)
-    holder = os.open(live, os.O_RDONLY)
-    try:
-        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running process holds it
-        with pytest.raises(ValueError, match=r"embbench-1-rank0-0.rows belongs to a run still going"):
-            _pair(tables, batches, opt, tmp_path)
-    finally:
-        os.close(holder)
+    with pytest.raises(ValueError, match=r"embbench-1-rank0-0.rows belongs to another run still going"):
+        _pair(tables, batches, opt, tmp_path)
+    assert live.exists()
+    assert not abandoned.exists() and not Path(str(abandoned) + owned.NOTE_SUFFIX).exists()
+    os.unlink(str(live) + owned.NOTE_SUFFIX)  # no note: not ours, never touched again
+    again = _noted(tmp_path / "embbench-999998-rank0-0.rows", "999998-dead", _dead_pid())
     _, on_file = _pair(tables, batches, opt, tmp_path)
-    assert not abandoned.exists() and not live.exists()
-    assert sorted(on_file.extra_metrics()["store_files_removed"]) == sorted([str(abandoned), str(live)])
+    assert live.exists() and not again.exists()
+    assert on_file.extra_metrics()["store_files_removed"] == [str(again)]
+    path = on_file.file_rows.path
+    assert owned.owner_of(path).run == owned.run_id()  # its own file proves it ours
+    on_file.file_rows.close()
+    assert not path.exists() and not Path(str(path) + owned.NOTE_SUFFIX).exists()
+
+
+def test_a_user_s_files_that_only_look_like_row_files_are_never_opened_nor_removed(tmp_path):
+    """Issue 50, 1: a name is no proof; a FIFO of that name would block an open for ever."""
+    notes = tmp_path / "embbench-notes.rows"
+    notes.write_text("mine")
+    backup = tmp_path / "embbench-backup-2026.rows"
+    backup.write_text("mine too")
+    os.mkfifo(tmp_path / "embbench-fifo.rows")
+    (tmp_path / ("embbench-fifo.rows" + owned.NOTE_SUFFIX)).write_text(
+        json.dumps({"file": "embbench-fifo.rows", "run": "1-x", "pids": [_dead_pid()]}))
+    (tmp_path / ("embbench-other.rows" + owned.NOTE_SUFFIX)).write_text(  # a note that names another file
+        json.dumps({"file": "embbench-notes.rows", "run": "1-x", "pids": [_dead_pid()]}))
+    (tmp_path / "embbench-other.rows").write_text("mine as well")
+    tables = [TableSpec("a", 4000, 8, 1, 1.0)]
+    _, on_file = _pair(tables, _batches(tables, 2, 8, 0), EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path)
+    assert notes.read_text() == "mine" and backup.read_text() == "mine too"
+    assert (tmp_path / "embbench-other.rows").read_text() == "mine as well"
+    assert (tmp_path / "embbench-fifo.rows").exists()  # not a regular file: left where it is, never opened
+    assert on_file.extra_metrics()["store_files_removed"] == []
+
+
+def test_sibling_ranks_of_one_run_share_a_store_dir(tmp_path):
+    """Issue 50, 3: rank 1's file, alive and of this run, is neither taken for another run's nor removed."""
+    sibling = _noted(tmp_path / "embbench-1-rank1-0.rows", owned.run_id(), os.getppid())
+    tables = [TableSpec("a", 4000, 8, 1, 1.0)]
+    _, on_file = _pair(tables, _batches(tables, 2, 8, 0), EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path)
+    assert sibling.exists() and on_file.extra_metrics()["store_files_removed"] == []
 
 
 def test_a_full_disk_fails_the_step_naming_the_file(tmp_path, monkeypatch):
@@ -207,7 +251,8 @@ def _file_cell(store_dir=None, dram_ratio=0.1):
     from embbench.launch import memory_preflight
     from embbench.scenario import Cell, parse_scenario
 
-    scenario, _ = parse_scenario(tiny_scenario(), "t.yaml")
+    # tables large enough that a tenth of the row file holds two batches' blocks
+    scenario, _ = parse_scenario(tiny_scenario(data={"scale": 0.2}), "t.yaml")
     params = {"store": "file", "dram_ratio": dram_ratio, **({"store_dir": str(store_dir)} if store_dir else {})}
     return scenario, Cell("freqcache", params, 1), memory_preflight
 
@@ -284,3 +329,76 @@ def test_a_read_on_demand_never_evicts_a_block_the_same_lookup_uses(tmp_path):
     got = _train(on_file, batches, prefetch=True, lookahead=0)
     assert on_file.counters()["nvme_pages_read_on_demand"] > 0
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_the_preflight_counts_the_drive_probe_s_scratch_and_a_dead_run_s_leftovers(tmp_path, monkeypatch):
+    """Issue 50, 5 and 2: the probe's 256 MiB scratch file is held to the drive with the rows; a
+    dead run's row file (proved by its owner note) is space the next run frees."""
+    import shutil
+
+    from embbench.scenario import Cell
+
+    scenario, cell, preflight = _file_cell(tmp_path, dram_ratio=0.1)
+    est = cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, 1)
+    assert est.scratch_bytes == 256 << 20
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=est.disk_bytes + (100 << 20)))
+    reason = preflight(scenario, cell, torch.device("cpu"))[1]
+    assert "0.25 GiB of scratch" in reason and reason.cause == "drive"
+    no_probe = Cell("freqcache", {**cell.params, "drive_probe_s": 0}, 1)
+    assert preflight(scenario, no_probe, torch.device("cpu"))[1] is None
+    leftover = _noted(tmp_path / "embbench-999999-rank0-0.rows", "999999-dead", _dead_pid())
+    with open(leftover, "r+b") as f:
+        os.posix_fallocate(f.fileno(), 0, 200 << 20)
+    assert preflight(scenario, cell, torch.device("cpu"))[1] is None
+
+
+def test_a_store_dir_refusal_is_not_called_a_memory_one(tmp_path, capsys):
+    """Issue 50, 5: the closing line names the store_dir, and searches no --scale."""
+    import yaml
+
+    from embbench.cli import main
+
+    raw = tiny_scenario(strategies=[{"name": "freqcache", "params": {"store": "file", "store_dir": str(tmp_path / "no")}}],
+                        baseline="freqcache")
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 cell(s) cannot use their store_dir" in out
+    assert "would not fit" not in out and "scale" not in out
+
+
+def test_a_drive_without_room_for_the_probe_skips_the_probe_not_the_cell(tmp_path, monkeypatch):
+    """Issue 50, 5: the probe is optional; a drive filled since the preflight costs its figures only."""
+    from embbench.cache import freqcache
+
+    def full(folder, *args, **kw):
+        raise OSError(errno.ENOSPC, f"not enough space for the probe's scratch file in {folder}: needs 256 MiB")
+
+    monkeypatch.setattr(freqcache, "measure_drive", full)
+    tables = [TableSpec("a", 4000, 8, 1, 1.0)]
+    _, on_file = _pair(tables, _batches(tables, 2, 8, 0), EmbeddingOptimizer(type="sgd", lr=0.1), tmp_path,
+                       drive_probe_s=0.1)
+    drive = on_file.extra_metrics()["drive"]
+    assert drive["problem"].startswith("not measured: not enough space for the probe's scratch file")
+
+
+def test_the_preflight_refuses_from_the_profile_what_the_build_would_and_says_it_the_same_way(tmp_path):
+    """Issue 49, 2: host memory for two batches' blocks depends on the batches' shape and data only:
+    the preflight makes them as the rank does and refuses with the rank's own words, so --dry-run
+    shows it; a ratio that holds them passes."""
+    from embbench.runner import run_cell
+    from embbench.scenario import Cell, parse_scenario
+    from embbench.strategy import RuntimeEnv
+
+    scenario, cell, preflight = _file_cell(tmp_path, dram_ratio=0.002)
+    cell = Cell("freqcache", {**cell.params, "drive_probe_s": 0}, 1)
+    reason = preflight(scenario, cell, torch.device("cpu"))[1]
+    assert reason is not None and reason.cause == "shape" and "host memory must hold two batches'" in reason
+    with pytest.raises(ValueError) as built:
+        run_cell(scenario, cell, RuntimeEnv(torch.device("cpu")), None)
+    assert reason == f"not attempted: {built.value}"
+    needed = float(reason.rsplit("dram_ratio >= ", 1)[1].split()[0])
+    enough = Cell("freqcache", {**cell.params, "dram_ratio": needed}, 1)
+    assert preflight(scenario, enough, torch.device("cpu"))[1] is None

@@ -138,3 +138,87 @@ def test_a_ctrl_c_inside_a_rank_s_start_still_kills_that_rank(monkeypatch, tmp_p
     with pytest.raises(KeyboardInterrupt):
         launch.run_isolated(scenario, "t.yaml", cells[0], tmp_path / "logs")
     assert len(started) == 1 and started[0].exitcode is not None  # killed and reaped, not left running
+
+
+@pytest.fixture
+def leaving_plugin(tmp_path, monkeypatch):
+    """Strategies that leave things behind: a file claimed in a folder of the user's (as a row
+    file in a store_dir is) and a child process, then end ok or SIGKILLed."""
+    from tests.conftest import _install_plugin
+
+    _install_plugin(tmp_path / "leavesite", "leaving_plugin",
+                    {"leaves_ok": "leaving_plugin:LeavesOk", "leaves_killed": "leaving_plugin:LeavesKilled"}, """
+        import os, signal, subprocess, sys
+        from pathlib import Path
+        from baselines.tables import DeviceStrategy
+        from embbench import owned
+
+        def leave(folder):
+            path = Path(folder) / f"embbench-{os.getpid()}-rank0-0.rows"
+            owned.claim(path)
+            path.write_bytes(b"rows")
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            (Path(folder) / "child.pid").write_text(str(child.pid))
+
+        class LeavesOk(DeviceStrategy):
+            name = "leaves_ok"
+            summary = "claims a file and starts a child, then trains"
+            def build(self, ctx):
+                leave(os.environ["LEAVE_IN"])
+                return super().build(ctx)
+
+        class LeavesKilled(DeviceStrategy):
+            name = "leaves_killed"
+            summary = "claims a file and starts a child, then is SIGKILLed"
+            def build(self, ctx):
+                leave(os.environ["LEAVE_IN"])
+                os.kill(os.getpid(), signal.SIGKILL)
+        """, monkeypatch)
+    folder = tmp_path / "store"
+    folder.mkdir()
+    monkeypatch.setenv("LEAVE_IN", str(folder))
+    yield folder
+
+
+@pytest.mark.parametrize("strategy", ["leaves_ok", "leaves_killed"])
+def test_a_cell_s_claimed_files_go_when_it_ends_however_it_ends(tmp_path, leaving_plugin, strategy):
+    scenario, cells = parse_scenario(tiny_scenario(strategies=[{"name": strategy}], baseline=strategy), "t.yaml")
+    outcome = run_isolated(scenario, "t.yaml", cells[0], tmp_path / "logs")
+    assert outcome.status == ("ok" if strategy == "leaves_ok" else "oom"), outcome.message
+    assert sorted(p.name for p in leaving_plugin.iterdir()) == ["child.pid"]  # the row file and its note are gone
+
+
+@pytest.mark.parametrize("strategy", ["leaves_ok", "leaves_killed"])
+def test_a_child_a_rank_started_is_killed_with_the_cell(tmp_path, leaving_plugin, strategy):
+    import os
+    import time
+
+    from embbench.data.cache import pid_alive
+
+    scenario, cells = parse_scenario(tiny_scenario(strategies=[{"name": strategy}], baseline=strategy), "t.yaml")
+    run_isolated(scenario, "t.yaml", cells[0], tmp_path / "logs")
+    child = int((leaving_plugin / "child.pid").read_text())
+    for _ in range(100):  # killed, then reaped by init (its parent, the rank, has ended)
+        if not pid_alive(child) or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    alive = pid_alive(child) and open(f"/proc/{child}/stat").read().split()[2] != "Z"
+    if alive:
+        os.kill(child, 9)
+    assert not alive
+
+
+def test_flushed_weights_that_cannot_be_saved_are_said_on_the_console_once(tmp_path):
+    """Issue 50, 11: a full disk during the weights copy was in each record only."""
+    from embbench.launch import CellOutcome
+
+    scenario, cells = parse_scenario(tiny_scenario(), "t.yaml")
+    why = f"cannot save the flushed weights to {tmp_path}/weights/x.pt: No space left on device"
+
+    def execute(cell, weights):
+        return CellOutcome("ok", None, {**make_record().metrics, "weights_file": None, "weights_not_compared": why})
+
+    notes = []
+    records = run_cells(scenario, "t.yaml", cells, tmp_path, execute=execute, on_notice=notes.append)
+    assert all(r.metrics["weights_not_compared"] == why for r in records)
+    assert len(notes) == 1 and notes[0].startswith(why) and "not compared" in notes[0]

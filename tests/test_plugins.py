@@ -122,3 +122,48 @@ def test_the_readme_s_plugin_skeleton_is_a_working_strategy(tmp_path, monkeypatc
     for a, b in zip(device, mine, strict=True):
         assert torch.equal(a, b)
     load_strategies.cache_clear()
+
+
+@pytest.fixture
+def misbehaving_plugins(tmp_path, monkeypatch):
+    """Plugins that exit at import, print at import, and take a built-in's name (issue 50, 10)."""
+    from tests.conftest import _install_plugin
+
+    _install_plugin(tmp_path / "exits", "exits_plugin", {"exits": "exits_plugin:Exits"}, """
+        import sys
+        sys.exit(7)
+        """, monkeypatch)
+    _install_plugin(tmp_path / "prints", "prints_plugin", {"prints": "prints_plugin:Prints"}, """
+        from baselines.tables import DeviceStrategy
+        print("hello from a plugin's import")
+
+        class Prints(DeviceStrategy):
+            name = "prints"
+            summary = "prints at import"
+        """, monkeypatch)
+    _install_plugin(tmp_path / "shadow", "shadow_plugin", {"device": "shadow_plugin:Device"}, """
+        from baselines.tables import DeviceStrategy
+
+        class Device(DeviceStrategy):
+            summary = "claims the built-in's name"
+        """, monkeypatch)
+    yield
+    load_strategies.cache_clear()
+
+
+def test_a_plugin_that_exits_prints_or_shadows_a_built_in_breaks_itself_only(misbehaving_plugins, capsys):
+    from embbench.strategy import broken_strategies, get_strategy
+
+    strategies, broken = load_strategies(), broken_strategies()  # no SystemExit(7) ends this
+    assert broken["exits"] == "strategy 'exits' (exits_plugin:Exits) cannot be loaded: SystemExit: 7"
+    assert "prints" in strategies and "hello from a plugin's import" in capsys.readouterr().err
+    assert get_strategy("device").__module__ == "baselines.tables"  # the built-in stays
+    (shadowed,) = [reason for key, reason in broken.items() if key.startswith("device")]
+    assert "baselines.tables:DeviceStrategy (embbench " in shadowed and "shadow_plugin:Device (shadow_plugin 0.0)" in shadowed
+    assert "the plugin's is ignored" in shadowed
+    load_strategies.cache_clear()  # discovery again, importing the plugin afresh, as a command's does
+    sys.modules.pop("prints_plugin")
+    capsys.readouterr()
+    assert "prints" in load_strategies()
+    out, err = capsys.readouterr()
+    assert out == "" and "hello from a plugin's import" in err  # stdout is a command's (recommend --json's)

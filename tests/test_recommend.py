@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import os
+
 import numpy as np
 import pytest
 from record_factory import make_record, write_run
@@ -296,7 +298,8 @@ def test_delongs_test_agrees_with_a_paired_bootstrap_on_the_same_samples():
 
 
 def _with_scores(record, run, scores, labels):
-    from embbench.results import EVAL_DIR, write_eval_scores
+    from embbench.eval_scores import write_eval_scores
+    from embbench.results import EVAL_DIR
 
     name = f"{record.strategy}.npz"
     write_eval_scores(run / EVAL_DIR / name, scores.tolist(), labels.astype(int).tolist())
@@ -330,3 +333,65 @@ def test_without_scores_the_records_standard_errors_weigh_the_drop_unpaired():
     (rec,) = recommend([base, fae], Budget(1 << 30), auc_tolerance=0.001)
     assert "fae@w1" not in rec.excluded
     assert any("within its sampling error (±0.0170, p=0.9, unpaired standard errors on the same 2,048" in n for n in rec.notes)
+
+
+def _damage(kind, path, labels, scores, outside):
+    """An eval file at ``path`` damaged in one way (issue 50, 6)."""
+    import io
+    import zipfile
+
+    if kind == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif kind == "truncated":
+        path.write_bytes(path.read_bytes()[:40])
+    elif kind == "huge":  # a small file whose array asks for 3 GB, and holds more bytes than the samples take
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (750_000_000,)})
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("labels.npy", _npy(labels.astype(np.uint8)))
+            with z.open("scores.npy", "w", force_zip64=True) as member:
+                member.write(header.getvalue())
+                member.write(bytes(100_000))
+    elif kind == "outside":
+        return "../../" + outside.name
+    else:
+        bad = {"short": (scores[:-5], labels), "labels": (scores, labels * 2), "one class": (scores, labels * 0),
+               "nan": (np.where(np.arange(len(scores)) % 7 == 0, np.nan, scores), labels)}[kind]
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("scores.npy", _npy(bad[0].astype(np.float32)))
+            z.writestr("labels.npy", _npy(bad[1].astype(np.uint8)))
+    return path.name
+
+
+def _npy(array):
+    import io
+
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["outside", "fifo", "truncated", "huge", "short", "labels", "one class", "nan"])
+def test_a_damaged_eval_file_makes_its_cell_cannot_judge_and_never_fails_the_command(tmp_path, kind):
+    """Issue 50, 6: read as a record is (a regular file in the run's eval/, bounded, its arrays
+    checked); a drop that file was to weigh is not judged, and recommend answers."""
+    labels, a, _ = _scored(2048)
+    run = tmp_path / "run"
+    outside = tmp_path / "x.npz"  # a file outside the run that would decide the verdict
+    from embbench.eval_scores import write_eval_scores
+
+    write_eval_scores(outside, (-a + labels * 0.5).tolist(), labels.astype(int).tolist())
+    base = _with_scores(make_record("device", step_times=[0.005] * 12, auc=0.7521), run, a, labels)
+    fae = _with_scores(make_record("fae", step_times=[0.004] * 12, auc=0.7000), run, a + 0.3 * np.sin(np.arange(2048)),
+                       labels)
+    for r in (base, fae):
+        r.metrics["accuracy"]["eval_samples"] = 2048
+    fae.metrics["accuracy"]["eval_file"] = _damage(kind, run / "eval" / "fae.npz", labels, a, outside)
+    (rec,) = recommend([base, fae], Budget(1 << 30), auc_tolerance=0.001, run_dir=str(run))
+    reason = rec.excluded["fae@w1"]
+    assert "cannot judge it against its sampling error: " in reason and "beyond" not in reason
+    expected = {"outside": "an eval file is named by a file name", "fifo": "is a FIFO", "truncated": "damaged",
+                "huge": "scores.npy unpacks to", "short": "2,043 scores, 2,048 labels", "labels": "labels other than 0",
+                "one class": "one class only", "nan": "not finite"}[kind]
+    assert expected in reason

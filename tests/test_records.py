@@ -362,3 +362,33 @@ def test_the_speedup_is_against_the_baseline_with_fp32_rows_where_it_ran_in_seve
     speedups = {r["cell_id"]: r["speedup"] for r in json.loads(out)}
     assert code == 0 and speedups == {"device@w1": 1.0, "device@w1@fp16": 0.5, "device@w1@fp8": 0.25,
                                       "uvm_cache@w1@fp8": 0.5}
+
+
+@pytest.mark.parametrize("damage, key", [
+    (lambda tiers: "hbm", "metrics.tiers"),
+    (lambda tiers: [{k: v for k, v in tiers[0].items() if k != "tier"}] + tiers[1:], "metrics.tiers.0.tier"),
+    (lambda tiers: [{**tiers[0], "hit_rate": 2.0}] + tiers[1:], "metrics.tiers.0.hit_rate"),
+    (lambda tiers: tiers[:2] + [{**tiers[2], "bytes_read_per_step": -4096.0}], "metrics.tiers.2.bytes_read_per_step"),
+    (lambda tiers: [{**tiers[0], "tier": "tape"}] + tiers[1:], "metrics.tiers.0.tier"),
+    (lambda tiers: tiers + tiers[:1], "metrics.tiers"),
+])
+def test_a_damaged_tiers_section_is_named_when_the_record_is_read(tmp_path, capsys, damage, key):
+    """Issue 50, 7: metrics.tiers is in the record schema: show, compare and report skip the
+    record naming the key, never a traceback."""
+    from record_factory import file_store_counters
+
+    counters = file_store_counters(reached=1000, loaded=400, dram_misses=100, pages_read=120, read_s=0.01)
+    good = make_record("freqcache", {"store": "file"}, tier_counters=counters)
+    run = write_run(tmp_path / "run", [make_record("device"), good])
+    read_record(next(run.glob("freqcache*.json")))  # the undamaged one reads
+    base = shutil.copytree(run, tmp_path / "base")
+    data = json.loads(next(run.glob("freqcache*.json")).read_text())
+    data["metrics"]["tiers"] = damage(data["metrics"]["tiers"])
+    target = next(run.glob("freqcache*.json"))
+    target.write_text(json.dumps(data))
+    with pytest.raises(RecordError, match=f"^{target}: {key}"):
+        read_record(target)
+    if key == "metrics.tiers" and isinstance(data["metrics"]["tiers"], str):  # the commands, once (a TypeError before)
+        for argv in (["show", run], ["compare", base, run], ["report", run, "--out", tmp_path / "r.html"]):
+            code, out, err = _cli(capsys, *argv)
+            assert "Traceback" not in err and f"{target}: {key}" in _words(err + out), argv

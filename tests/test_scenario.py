@@ -134,3 +134,11 @@ def test_the_smoke_tables_are_larger_than_one_batch_s_distinct_rows():
             assert table.num_rows >= data.min_rows_per_table and table.num_rows > 2 * distinct[t], (t, table, distinct[t])
         else:
             assert table.num_rows == full
+
+
+def test_warmup_max_steps_below_warmup_steps_is_refused_naming_both():
+    from embbench.scenario import ScenarioError, parse_scenario
+
+    with pytest.raises(ScenarioError, match=r"run\.warmup_max_steps: 3 is below warmup_steps \(5\)"):
+        parse_scenario(tiny_scenario(run={"warmup_steps": 5, "warmup_max_steps": 3}), "t.yaml")
+    parse_scenario(tiny_scenario(run={"warmup_steps": 5, "warmup_max_steps": 5}), "t.yaml")

@@ -271,8 +271,11 @@ def test_iops_and_step_flags_are_checked(capsys, tmp_path):
     code, _, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--tiers", "hbm=1%,dram=5%", "--iops",
                            f"measured:{tmp_path / 'nope'}")
     assert code == 2 and "--iops" in stderr and f"measured:{tmp_path / 'nope'}: " in stderr and "no such folder" in stderr
-    code, _, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--tiers", "hbm=1%,dram=5%", "--iops", "-3")
-    assert code == 2 and "--iops" in stderr and "above 0" in stderr
+    for bad in ("-3", "1e-300", "nan", "inf", "1e300"):  # a tiny rate overflowed the model (issue 50, 8)
+        code, _, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--tiers", "hbm=1%,dram=5%", "--iops", bad)
+        assert code == 2 and "--iops" in stderr and "must be 1 to 1e+09 reads a second" in stderr, stderr
+    code, _, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--tiers", "hbm=1%,dram=5%", "--iops", "measured:")
+    assert code == 2 and "measured:: names no folder" in stderr  # not the working directory, without a word
     code, _, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--iops", "1000")
     assert code == 2 and "give --tiers too" in stderr
     code, _, stderr = _cli(capsys, "curve", "scenarios/smoke.yaml", "--tiers", "hbm=1%,dram=5%", "--out", str(tmp_path / "c.csv"))
@@ -334,3 +337,36 @@ def test_iops_measured_on_a_folder_is_the_drive_s_rate_at_32_in_flight(tmp_path,
 
     monkeypatch.setattr(probe, "measure_drive", fake)
     assert tiers.parse_iops(f"measured:{tmp_path}") == 37_000 and calls == [(str(tmp_path), (32,))]
+
+
+@pytest.mark.slow  # a fresh interpreter importing embbench (over 3 s on 2 cores)
+def test_sigterm_while_iops_are_measured_leaves_no_scratch_file(tmp_path):
+    """Issue 50, 8: `--iops measured:PATH` measures while the arguments are parsed; SIGTERM then
+    (before, the handler came after the parsing) unwinds and removes the probe's scratch file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from embbench.disk.pagefile import MEMORY_FILESYSTEMS, mount_of
+
+    if mount_of(tmp_path).filesystem in MEMORY_FILESYSTEMS:
+        pytest.skip("the temporary folder is in memory: no drive to measure there")
+    root, folder = Path(__file__).parents[1], tmp_path
+    command = subprocess.Popen([sys.executable, "-m", "embbench", "curve", "scenarios/smoke.yaml", "--tiers",
+                                "hbm=1%,dram=5%", "--iops", f"measured:{folder}"], cwd=root,
+                               env=dict(os.environ, PYTHONPATH=str(root)), stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if list(folder.glob(".embbench-disk-probe-*.pages")):
+                break
+            time.sleep(0.02)
+        assert list(folder.glob(".embbench-disk-probe-*.pages")), "the probe never started"
+        command.send_signal(signal.SIGTERM)
+        command.wait(timeout=60)
+    finally:
+        command.kill()
+    assert command.returncode == 130
+    assert not list(folder.glob(".embbench-disk-probe-*"))

@@ -21,7 +21,6 @@ between the file and blocks that no one else touches until its job is reaped.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import math
 import os
@@ -36,11 +35,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from embbench import owned
 from embbench.disk.layout import PAGE, PageLayout
 from embbench.disk.pagefile import PageFile, aligned_pages
 from embbench.disk.reader import get_reader
 
-__all__ = ["FileRows", "STORE_COUNTERS"]
+__all__ = ["FileRows", "STORE_COUNTERS", "host_memory_problem"]
 
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
@@ -59,7 +59,7 @@ class _Job:
 
 class FileRows:
     """``rows`` packed rows of ``width`` ``dtype`` elements, in a file at ``path`` (made here,
-    removed by :meth:`close`), behind a host-memory cache of ``dram_ratio`` of its blocks.
+    removed by :meth:`close`, or by the launcher when the cell ends: see :meth:`create`), behind a host-memory cache of ``dram_ratio`` of its blocks.
     :meth:`create` names the file and finds the ones earlier runs left.
 
     Args:
@@ -73,16 +73,30 @@ class FileRows:
     @classmethod
     def create(cls, folder: Path, rank: int, rows: int, width: int, dtype: torch.dtype, dram_ratio: float,
                batch_blocks: int, **kw) -> "FileRows":
-        """A store in ``folder``, named after this process, after removing the files that runs
-        which are gone left there (a killed run holds no lock); a file another live process
-        holds is refused by name: two runs must not share a store_dir."""
+        """A store in ``folder``, named after this process and claimed for its run
+        (:mod:`embbench.owned`: an owner note beside it, so the launcher removes it when the
+        cell ends, however it ends), after removing the row files that runs which are gone left
+        there. Only a file whose owner note proves it a run's is touched; one another live run
+        holds is refused by name (two runs must not share a store_dir); a sibling rank's, of
+        this run, is left alone."""
         folder = Path(folder)
         if not folder.is_dir():
             raise ValueError(f"store_dir {folder}: " + ("not a directory" if folder.exists() else "does not exist"))
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"store_dir {folder}: not writable by this user")
-        removed = [str(p) for p in folder.glob(f"{_PREFIX}*.rows") if _remove_if_abandoned(p)]
-        store = cls(folder / f"{_PREFIX}{os.getpid()}-rank{rank}-{next(_made)}.rows", rows, width, dtype, dram_ratio, batch_blocks, **kw)
+        removed, live = owned.remove_abandoned(folder, f"{_PREFIX}*.rows")
+        others = [(path, owner) for path, owner in live if owner.run != owned.run_id()]
+        if others:
+            path, owner = others[0]
+            raise ValueError(f"store_dir {folder}: {path.name} belongs to another run still going (pids "
+                             f"{', '.join(map(str, owner.pids))}): give each run its own store_dir")
+        path = folder / f"{_PREFIX}{os.getpid()}-rank{rank}-{next(_made)}.rows"
+        owned.claim(path)
+        try:
+            store = cls(path, rows, width, dtype, dram_ratio, batch_blocks, **kw)
+        except BaseException:
+            owned.release(path)
+            raise
         store.removed_stale = removed
         return store
 
@@ -94,18 +108,13 @@ class FileRows:
         self.rows_per_block, self.block_pages = layout.rows_per_page, layout.pages_per_row
         self.block_bytes = self.block_pages * PAGE
         self.blocks = math.ceil(rows / self.rows_per_block) if rows else 0
-        capacity = min(self.blocks, math.ceil(dram_ratio * self.blocks))
-        needed = min(self.blocks, 2 * batch_blocks)
-        if capacity < needed:
-            raise ValueError(f"dram_ratio {dram_ratio:g} holds {capacity:,} of the store's {self.blocks:,} blocks of "
-                             f"{self.block_bytes // 1024} KiB; a batch touches up to {batch_blocks:,} and host memory "
-                             f"must hold two batches': dram_ratio >= {math.ceil(100 * needed / self.blocks) / 100:.2f} "
-                             "is needed")
-        self.capacity = capacity
+        problem = host_memory_problem(layout, dram_ratio, batch_blocks)
+        if problem:
+            raise ValueError(problem)
+        self.capacity = capacity = min(self.blocks, math.ceil(dram_ratio * self.blocks))
         self.reserve = min(batch_blocks, capacity // 2)  # kept free for reads on demand
         self.removed_stale: list[str] = []
         self.file = PageFile.create(path, layout.pages, direct=direct, reader=get_reader(io_depth))
-        _lock(self.file)
         self.path = self.file.path
         self.buffer = aligned_pages(capacity * self.block_pages)  # [pages, PAGE] uint8
         self._rows = self._block_rows(self.buffer)  # every row of every slot: [slot, row in block, byte]
@@ -250,11 +259,12 @@ class FileRows:
         return dict(self.counts)
 
     def close(self, remove: bool = True) -> None:
-        """Stop the background worker and close (and remove) the file; safe to call twice."""
+        """Stop the background worker and close (and remove, with its owner note) the file; safe
+        to call twice."""
         self._worker.shutdown(wait=True, cancel_futures=True)
         self.file.close()
         if remove:
-            self.file.remove()
+            owned.release(self.path)
 
     # -- host memory ---------------------------------------------------------------------------
 
@@ -437,32 +447,23 @@ class FileRows:
         self.file.write(self._pages_of(blocks), staging)
 
 
+def host_memory_problem(layout: PageLayout, dram_ratio: float, batch_blocks: int) -> str | None:
+    """Why ``dram_ratio`` of a store of ``layout`` cannot hold two batches' blocks (a batch touches
+    up to ``batch_blocks``), or None: the store refuses it, and the preflight (from the same
+    profile) before it starts."""
+    blocks = layout.pages // layout.pages_per_row
+    capacity = min(blocks, math.ceil(dram_ratio * blocks))
+    needed = min(blocks, 2 * batch_blocks)
+    if capacity >= needed:
+        return None
+    return (f"dram_ratio {dram_ratio:g} holds {capacity:,} of the store's {blocks:,} blocks of "
+            f"{layout.pages_per_row * PAGE // 1024} KiB; a batch touches up to {batch_blocks:,} and host memory must "
+            f"hold two batches': dram_ratio >= {math.ceil(100 * needed / blocks) / 100:.2f} is needed")
+
+
 #: Row files are named ``embbench-<pid>-rank<r>-<n>.rows`` (the n-th this process made).
 _PREFIX = "embbench-"
 _made = itertools.count()
-
-
-def _lock(file: PageFile) -> None:
-    """Hold an exclusive lock on the file while this process lives (the kernel drops it when
-    the process ends, however it ends): how the next run tells an abandoned file from a live one."""
-    fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-def _remove_if_abandoned(path: Path) -> bool:
-    """Remove a row file no live process holds; refuse (naming it) one another process holds."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ValueError(f"store_dir {path.parent}: {path.name} belongs to a run still going (it holds the file's "
-                         "lock): give each run and cell its own store_dir") from None
-    finally:
-        os.close(fd)
-    path.unlink(missing_ok=True)
-    return True
 
 
 def _serially(fill: Callable, jobs: list) -> None:

@@ -25,19 +25,20 @@ below the class (:class:`CapturedStep`, :class:`_StreamRecorder`) are the seam i
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Iterable, Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
 from embbench.cache import row_copy
-from embbench.cache.file_rows import FileRows
+from embbench.cache.file_rows import FileRows, host_memory_problem
 from embbench.cache.row_copy import move_rows, words
 from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
                                              auto_window_pairs, cache_window)
@@ -455,10 +456,9 @@ class FreqCache(SparseModule):
         folder = Path(params.store_dir) if params.store_dir else ctx.work_dir
         if folder is None:
             raise Unsupported("store: file needs store_dir (this harness gives the cell no folder of its own)")
-        per_block = PageLayout(self.num_rows, self.row_bytes).rows_per_page
-        touched = max((len(torch.unique(rows // per_block)) for rows in profiled), default=1)
         rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,
-                               params.dram_ratio, batch_blocks=math.ceil(1.25 * touched), io_depth=params.io_depth)
+                               params.dram_ratio, batch_blocks=batch_blocks(profiled, PageLayout(self.num_rows, self.row_bytes)),
+                               io_depth=params.io_depth)
         rounded = None if kind.exact else kind
 
         def make_rows(start: int, stop: int) -> Tensor:
@@ -473,8 +473,13 @@ class FreqCache(SparseModule):
         rows.fill(make_rows, run=fill_in_parallel)
         self._drive = None
         if params.drive_probe_s and ctx.env.rank == 0:  # the drive's own rate, beside what the store achieves
-            self._drive = measure_drive(folder, params.drive_probe_s, (params.io_depth,), _PROBE_FILE_BYTES,
-                                        ceiling_seconds=min(0.5, params.drive_probe_s)).as_dict()
+            try:
+                self._drive = measure_drive(folder, params.drive_probe_s, (params.io_depth,), _PROBE_FILE_BYTES,
+                                            ceiling_seconds=min(0.5, params.drive_probe_s)).as_dict()
+            except OSError as error:  # a drive filled since the preflight: the probe is optional, the cell is not
+                if error.errno != errno.ENOSPC:
+                    raise
+                self._drive = {"path": str(folder), "problem": f"not measured: {error.strerror}"}
         return rows
 
     def _apply_late(self) -> None:
@@ -712,6 +717,13 @@ class _StreamRecorder:
         return [self.buffer[i, :n].long() for i, n in enumerate(self.lengths)]
 
 
+def batch_blocks(profiled: Iterable[Tensor], layout: PageLayout) -> int:
+    """The most blocks of a row file one batch touches: the profiled batches' most, and a quarter
+    more for batches beyond the profile."""
+    touched = max((len(torch.unique(rows // layout.rows_per_page)) for rows in profiled), default=1)
+    return math.ceil(1.25 * touched)
+
+
 class FreqCacheStrategy(Strategy):
     name = "freqcache"
     summary = "frequency-aware software cache: host tables, the hottest rows (and their optimizer state) on the device"
@@ -719,7 +731,7 @@ class FreqCacheStrategy(Strategy):
     row_precisions = ROW_PRECISIONS
 
     def estimate_memory(self, tables, optimizer, world_size, local_batch_size=None, train_steps=None,
-                        row_precision="fp32"):
+                        row_precision="fp32", train_batches=None):
         n = sum(t.num_rows for t in tables)
         row_bytes = row_type(row_precision).row_bytes(tables[0].dim, optimizer.state_width)
         n = n // world_size  # per rank, roughly: placement is by table
@@ -740,8 +752,14 @@ class FreqCacheStrategy(Strategy):
         if self.params.store == "file":  # host memory holds dram_ratio of the file's pages, and a map of them
             layout = PageLayout(n, row_bytes)
             blocks = math.ceil(layout.pages / layout.pages_per_row)
+            refusal = None
+            if train_batches is not None and world_size == 1:  # the profile the build sizes host memory by
+                space = RowSpace(tables)
+                profiled = (space.global_rows(batch.sparse) for batch in train_batches(self.params.profile_batches))
+                refusal = host_memory_problem(layout, self.params.dram_ratio, batch_blocks(profiled, layout))
             return MemoryFootprint(device_bytes=device, host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes)
-                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir)
+                                   + blocks * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir,
+                                   scratch_bytes=_PROBE_FILE_BYTES if self.params.drive_probe_s else 0, refusal=refusal)
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 
     def build(self, ctx: BuildContext) -> SparseModule:

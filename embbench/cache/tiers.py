@@ -102,6 +102,8 @@ def measured_iops(path: str) -> float:
     (:func:`embbench.disk.probe.measure_drive`; ``embbench disk PATH`` shows more depths)."""
     from embbench.disk.probe import measure_drive
 
+    if not path.strip():
+        raise argparse.ArgumentTypeError(f"{MEASURED}: names no folder (measured:PATH, PATH a folder on the drive)")
     try:
         probe = measure_drive(path, seconds=2.0, depths=(32,), file_bytes=256 << 20, ceiling_seconds=0.5)
     except (OSError, ValueError) as error:
@@ -119,9 +121,13 @@ def parse_iops(text: str) -> float:
         iops = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of reads a second (or {MEASURED}PATH)") from None
-    if not (0 < iops < math.inf):
-        raise argparse.ArgumentTypeError(f"must be a finite number of reads a second above 0, got {text}")
+    if not (IOPS_RANGE[0] <= iops <= IOPS_RANGE[1]):
+        raise argparse.ArgumentTypeError(f"must be {IOPS_RANGE[0]:g} to {IOPS_RANGE[1]:g} reads a second, got {text}")
     return iops
+
+
+#: What ``--iops`` takes: a read a second to far beyond any drive (a tiny rate overflowed the model).
+IOPS_RANGE = (1.0, 1e9)
 
 
 # -- the model -------------------------------------------------------------------------------

@@ -46,20 +46,28 @@ def _stdout_gone() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; ``argv`` None: this process's own command line, whose exit follows."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # another Ctrl-C while the first unwinds (its message, the handlers' reset): said once
         return 130
+    finally:
+        if argv is None:  # the command is done: a Ctrl-C during the interpreter's exit ends it quietly
+            signal.signal(signal.SIGINT, _exit_now)
+
+
+def _exit_now(signum, frame):
+    os._exit(130)  # no traceback from inside the interpreter's exit (threads joined, atexit handlers)
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
-        print(f"error: standard output is closed; embbench {args.command} prints its results there "
-              "(redirect it to a file or /dev/null instead)", file=sys.stderr)
-        return 2
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # before the arguments: `--iops measured:` measures as it parses
     try:
+        args = build_parser().parse_args(argv)
+        if sys.stdout is None:  # started with stdout closed (>&-): there is nowhere to print to
+            print(f"error: standard output is closed; embbench {args.command} prints its results there "
+                  "(redirect it to a file or /dev/null instead)", file=sys.stderr)
+            return 2
         return args.func(args)
     except BrokenPipeError:
         return _stdout_gone()

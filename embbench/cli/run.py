@@ -172,16 +172,34 @@ def _fewer_steps(args: argparse.Namespace, flags: dict, steps: int) -> tuple[dic
 
 
 def _say_what_fits(args: argparse.Namespace, scenario, skipped: list[str]) -> None:
+    """After the skipped cells' reasons: the scale at which those refused for room (memory, a
+    drive's space) would run; those refused for their store_dir are named apart, as no scale
+    mends them."""
     if not skipped:
         return
+    causes = {cell.id: getattr(outcome_without_launch(scenario, cell), "cause", None)
+              for cell in load_scenario(args.scenario, strategies=args.strategies, **_shape_flags(args))[1]
+              if cell.id in skipped}
+    folders = [cell for cell, cause in causes.items() if cause == "store_dir"]
+    if folders:
+        console.print(Text(f"{len(folders)} cell(s) cannot use their store_dir (see each one's reason): give them an "
+                           "existing folder this user can write", style="yellow"), soft_wrap=True)
+    shapes = [cell for cell, cause in causes.items() if cause == "shape"]
+    if shapes:
+        console.print(Text(f"{len(shapes)} cell(s) refuse this shape (see each one's reason): a smaller --scale does "
+                           "not mend that", style="yellow"), soft_wrap=True)
+    skipped = [cell for cell in skipped if cell not in folders + shapes]
+    if not skipped:
+        return
+    room = " and ".join(sorted({{"drive": "drive space"}.get(causes.get(c) or "memory", "memory") for c in skipped}))
     flags = _scale_that_fits(args, scenario, skipped)
     if flags is None:
-        console.print(Text(f"{len(skipped)} cell(s) would not fit this machine's memory now: no scale down to 1e-9 "
+        console.print(Text(f"{len(skipped)} cell(s) would not fit this machine's {room} now: no scale down to 1e-9 "
                            "fits them", style="yellow"), soft_wrap=True)
         return
     command = lambda f: run_command(args.scenario, strategies=args.strategies, data_cache=args.data_cache, **f)  # noqa: E731
     times, limit = _run_time(args, flags)
-    lines = [f"{len(skipped)} cell(s) would not fit this machine's memory now: at a scale that fits them all, run",
+    lines = [f"{len(skipped)} cell(s) would not fit this machine's {room} now: at a scale that fits them all, run",
              f"  {command(flags)}", f"  {_time_line(times, limit)}"]
     if is_too_long(times, limit):
         fewer, fewer_times = _fewer_steps(args, flags, load_scenario(args.scenario, **flags)[0].run.steps)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embbench import owned
 from embbench.disk.layout import PAGE
 from embbench.disk.pagefile import DirectIOError, PageFile, aligned_pages, ensure_space, mount_of
 from embbench.disk.reader import ENGINES, Reader, get_reader
@@ -32,6 +33,13 @@ DEFAULT_FILE_BYTES = 1 << 30
 CEILING_FILE_BYTES = 256 << 20
 #: Pages written a call while filling the scratch file (8 MiB).
 FILL_PAGES = 2048
+#: Bounds of the arguments: each depth's time, and reads in flight (each a thread of the pread pool).
+SECONDS_RANGE = (0.01, 600.0)
+MAX_DEPTH = 1024
+#: Pages read a call at most (32 MiB of buffer): at the largest depth, 8 rounds of reads a call.
+MAX_BATCH_PAGES = 8192
+#: The scratch file's name in the measured folder (hidden), then ``<pid>-<random>.pages``.
+SCRATCH_PREFIX = ".embbench-disk-probe-"
 
 
 @dataclass(frozen=True)
@@ -93,13 +101,14 @@ class DriveProbe:
 def _rate(fd: int, pages: int, reader: Reader, depth: int, seconds: float, rng: np.random.Generator) -> DepthRate:
     """Random reads of whole pages of ``fd`` for about ``seconds``, in calls of many reads each
     (so the call's own cost, threads started and joined, is spread thin)."""
-    batch = max(256, 32 * depth)
+    batch = max(256, min(32 * depth, MAX_BATCH_PAGES))
     out = aligned_pages(batch)
     reads, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
+    while True:  # one call at least: a rate of no reads in no time is no rate
         reader.transfer(fd, rng.integers(0, pages, size=batch), out, write=False)
         reads += batch
-    return DepthRate(depth, reads, elapsed)
+        if (elapsed := time.perf_counter() - start) >= seconds:
+            return DepthRate(depth, reads, elapsed)
 
 
 def _fill(write, pages: int, rng: np.random.Generator) -> None:
@@ -130,25 +139,30 @@ def measure_drive(path: str | os.PathLike, seconds: float = 3.0, depths: tuple[i
     removed when done, also on an error or an interrupt. ``ceiling_seconds`` (default: ``seconds``,
     at most 1) is the time each depth gets from memory."""
     path = Path(path)
-    if seconds <= 0 or not depths or min(depths) < 1 or file_bytes < PAGE:
-        raise ValueError(f"measure_drive: needs seconds > 0, depths >= 1 and file_bytes >= {PAGE}, got {seconds}, "
-                         f"{depths}, {file_bytes}")
+    low, high = SECONDS_RANGE
+    for name, value in (("seconds", seconds), ("ceiling seconds", ceiling_seconds)):
+        if value is not None and not low <= value <= high:  # NaN fails both
+            raise ValueError(f"{name} {value}: expected {low:g} to {high:g} seconds at each depth")
+    if not depths or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DEPTH for d in depths):
+        raise ValueError(f"depths {', '.join(map(str, depths)) or '(none)'}: expected 1 to {MAX_DEPTH} reads in flight")
+    if file_bytes < PAGE:
+        raise ValueError(f"file size {file_bytes} bytes: at least one page ({PAGE} bytes)")
     _check_folder(path, file_bytes)
     mount, rng, load_before = mount_of(path), np.random.default_rng(seed), os.getloadavg()[0]
     pages = file_bytes // PAGE
     drive, problem = None, None
-    scratch = path / f".embbench-disk-probe-{os.getpid()}-{secrets.token_hex(4)}.pages"
+    owned.remove_abandoned(path, f"{SCRATCH_PREFIX}*.pages")  # a killed probe's: its owners are dead
+    scratch = path / f"{SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.pages"
+    owned.claim(scratch)  # the launcher removes it if this process is killed in a cell
     try:
-        file = PageFile.create(scratch, pages, reader=get_reader(max(depths), engine))
-    except DirectIOError as refused:
-        problem = refused.problem
-    else:
-        try:
+        with PageFile.create(scratch, pages, reader=get_reader(max(depths), engine)) as file:
             _fill(file.write, pages, rng)
             os.fsync(file.fileno())
             drive = [_rate(file.fileno(), pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
-        finally:
-            file.remove()
+    except DirectIOError as refused:
+        problem = refused.problem
+    finally:
+        owned.release(scratch)
     memory = _memory_rates(min(file_bytes, CEILING_FILE_BYTES) // PAGE, depths, engine,
                            min(seconds, 1.0) if ceiling_seconds is None else ceiling_seconds, rng)
     return DriveProbe(str(path), mount.filesystem, mount.device, get_reader(max(depths), engine).kind, file_bytes,
@@ -165,3 +179,11 @@ def _memory_rates(pages: int, depths, engine: str, seconds: float, rng: np.rando
         return [_rate(fd, pages, get_reader(depth, engine), depth, seconds, rng) for depth in depths]
     finally:
         os.close(fd)
+
+
+if __name__ == "__main__":  # a module, not a command: say which command measures a drive
+    import sys
+
+    print("usage: embbench disk PATH [--seconds S] [--depths D,D,...] [--file-size SIZE] [--engine E] [--json]\n"
+          "(python -m embbench.disk.probe runs nothing: `embbench disk --help` says more)", file=sys.stderr)
+    sys.exit(2)

@@ -10,7 +10,8 @@ ctypes, which releases the GIL for the whole call. Two engines:
 - ``pread``: a pool of T threads, each doing one pread/pwrite at a time (T requests in flight);
 - ``io_uring``: one thread keeping T requests in an io_uring (raw system calls, no liburing).
 
-Without a compiler (or when the build fails) a Python thread pool of ``os.preadv``/``os.pwritev``
+Without a compiler (or when the build fails, or the built file fails its checks: its bytes'
+hash, its functions, one read through them) a Python thread pool of ``os.preadv``/``os.pwritev``
 does the same work, slower, and its ``name`` says so and why.
 """
 
@@ -74,17 +75,19 @@ def _load(library: Path) -> ctypes.CDLL:
 def native_library() -> tuple[ctypes.CDLL | None, str]:
     """The built library, or None and why not. Builds it once per source version: the file's
     name holds the hash of the source and the build command, and it is written under a temporary
-    name and renamed, so processes that build at once never load half a file."""
+    name and renamed, so processes that build at once never load half a file. What is loaded is
+    checked first: the file against the hash of the bytes the build wrote (a truncated or
+    replaced file is rebuilt, never mapped: a short library kills the process with SIGBUS), then
+    its functions and one read through them (:func:`_check_loaded`); any failure falls back."""
     compiler = _compiler()
     try:
-        source = _SOURCE.read_bytes()
+        library = _library_path()
     except OSError as error:  # an install that left the C file out
         return None, f"no C source: {error}"
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"pageio-{key}.so"
-    if not library.exists():
+    if not _intact(library):
         if not compiler or shutil.which(compiler[0]) is None:
-            return None, f"no C compiler: {compiler[0] if compiler else 'CC'} not found"
+            damaged = f" (and {library} is damaged)" if library.exists() else ""
+            return None, f"no C compiler: {compiler[0] if compiler else 'CC'} not found{damaged}"
         try:
             library.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
@@ -94,13 +97,63 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
                 if done.returncode != 0:
                     first = (done.stderr.strip().splitlines() or ["no message"])[0]
                     return None, f"C build failed: {first}"
+                digest = Path(scratch) / "digest"
+                digest.write_text(_digest(built))
                 os.replace(built, library)
+                os.replace(digest, _digest_file(library))  # last: until it is there, the library reads as unfinished
         except (OSError, subprocess.SubprocessError) as error:
             return None, f"C build failed: {error}"
+        if not _intact(library):
+            return None, f"{library} changed while it was built (another process building it?)"
     try:
-        return _load(library), ""
-    except OSError as error:
+        lib = _load(library)
+    except (OSError, AttributeError) as error:  # not a library, or without the functions the reader calls
         return None, f"loading {library} failed: {error}"
+    problem = _check_loaded(lib)
+    return (None, f"{library}: {problem}") if problem else (lib, "")
+
+
+def _library_path() -> Path:
+    """Where the library of this source and build command is (or will be) in the cache."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return _cache_dir() / f"pageio-{key}.so"
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(library: Path) -> bool:
+    """Whether ``library`` is the file its build wrote (its bytes' hash is the one recorded then)."""
+    try:
+        return library.is_file() and _digest_file(library).read_text().strip() == _digest(library)
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _check_loaded(lib: ctypes.CDLL) -> str:
+    """Why the loaded library cannot be used, or "": two pages written to a file in memory and
+    read back through it must come back as they were."""
+    fd = os.memfd_create("embbench-pageio-check")
+    try:
+        pages = np.array([1, 0], dtype=np.int64)
+        data = np.zeros((2, PAGE), dtype=np.uint8)
+        data[0], data[1] = 7, 9
+        back = np.zeros_like(data)
+        for write, buf in ((1, data), (0, back)):
+            index, done = ctypes.c_int64(-1), ctypes.c_int64(0)
+            code = lib.pageio_threads(fd, write, pages.ctypes.data, 2, buf.ctypes.data, PAGE, 2, ctypes.byref(index),
+                                      ctypes.byref(done))
+            if code != 0:
+                return f"its check transfer failed ({os.strerror(code) if code > 0 else f'code {code}'})"
+        return "" if np.array_equal(back, data) else "its check read returned other bytes than were written"
+    finally:
+        os.close(fd)
 
 
 class Reader:
