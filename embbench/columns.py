@@ -12,7 +12,7 @@ from typing import Any
 
 from embbench.results import Record
 
-__all__ = ["Reference", "Speed", "all_in_hbm_throughputs", "baseline_throughputs", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed", "tier_columns", "tier_names"]
+__all__ = ["Reference", "Speed", "all_in_hbm_throughputs", "baseline_throughputs", "counted_steps", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed", "tier_columns", "tier_names"]
 
 
 def get(d: Any, *keys: str) -> Any:
@@ -186,6 +186,12 @@ def flat_row(record: Record) -> dict[str, Any]:
         "cpu": get(p, "devices", "cpu"),
     })
     return row
+
+
+def counted_steps(metrics: dict[str, Any]) -> int:
+    """The steps a record's counters cover (records before the counted steps: the measured ones)."""
+    steps = (metrics.get("counters") or {}).get("steps")
+    return steps[1] - steps[0] if steps else metrics["measured_steps"]
 
 
 def instrument_columns(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -24,11 +24,11 @@ from typing import Any
 
 from rich.console import Console
 
-from embbench.columns import flat_row, get, gpu_names
+from embbench.columns import counted_steps, flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, aa_floor_of, compare_runs
 from embbench.optional import require
 from embbench.outputs import atomic_write, claim_output, head_has
-from embbench.results import RUN_CURVE, counted_steps
+from embbench.results import RUN_CURVE
 from embbench.stats import spread_text
 from embbench.table_view import SORT_SCRIPT, html_table
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from embbench.columns import speed
+from embbench.columns import counted_steps, speed
 from embbench.data.presets import TableSpec
-from embbench.results import Record, counted_steps
+from embbench.results import Record
 from embbench.sharding import plan_table_wise
 
 __all__ = ["ASSUMPTIONS", "DEFAULT_LINKS_GBPS", "comm_bytes_per_rank", "measured_step_and_comm", "project",

@@ -23,7 +23,7 @@ from embbench.inputs import not_regular, open_schema as _open, read_json, schema
 from embbench.outputs import atomic_write
 
 __all__ = ["FAILED_STATUSES", "SCHEMA_VERSION", "TIMED_INSTRUMENT_SHARE", "Instrument", "Metrics", "Record", "RecordError",
-           "Status", "by_scenario", "counted_steps", "load_records", "read_record", "run_directory_lock",
+           "Status", "by_scenario", "load_records", "read_record", "run_directory_lock",
            "scenario_differences", "schema_error", "write_record"]
 
 SCHEMA_VERSION = 1
@@ -122,9 +122,8 @@ class Accuracy(TypedDict):
 
 @_open
 class Counters(TypedDict):
-    """The strategy's counters over the counted steps (``steps``, [first, end), every instrument
-    on; records without it: the measured steps) in total and per step, and the hit rates derived
-    from them (None: the strategy counts no hits)."""
+    """The strategy's counters over the counted steps (``steps``, [first, end); older records: the measured
+    steps) in total and per step, and the hit rates derived from them (None: the strategy counts no hits)."""
 
     total: dict[str, NonNegative]
     per_step: NotRequired[dict[str, NonNegative]]
@@ -146,9 +145,7 @@ class Extra(TypedDict):
 
 @_open
 class Instrument(TypedDict):
-    """One of the harness's instruments in a cell (:func:`embbench.metrics.instrument_costs`):
-    the training steps it ran in, [first, end), whether any was timed, and its cost measured in
-    the same run (the counted steps' median step less the timed steps')."""
+    """A harness instrument of a cell, the steps it ran in and its cost (:func:`embbench.metrics.instrument_costs`)."""
 
     name: str
     what: str
@@ -159,14 +156,7 @@ class Instrument(TypedDict):
     cost_share: NotRequired[Finite]
 
 
-#: An instrument that runs in timed steps may cost at most this share of the step (issue 47).
-TIMED_INSTRUMENT_SHARE = 0.01
-
-
-def counted_steps(metrics: dict[str, Any]) -> int:
-    """The steps a record's counters cover (records before the counted steps: the measured ones)."""
-    steps = (metrics.get("counters") or {}).get("steps")
-    return steps[1] - steps[0] if steps else metrics["measured_steps"]
+TIMED_INSTRUMENT_SHARE = 0.01  # the most an instrument that runs in timed steps may cost of the step (issue 47)
 
 
 @_open
@@ -193,7 +183,7 @@ class RankMetrics(TypedDict):
     memory: MemoryFigures
     counters: dict[str, NonNegative]
     measured_seconds: NotRequired[Positive]  # absent in records older than the projection's use of it
-    timed_comm_us: NotRequired[NonNegative]  # its collectives' time over the timed steps (counters: the counted ones)
+    timed_comm_us: NotRequired[NonNegative]  # its collectives' time in the timed steps (counters: the counted ones)
     extra: NotRequired[dict[str, Any]]
     hit_rate: NotRequired[Rate | None]
     unique_hit_rate: NotRequired[Rate | None]
@@ -404,13 +394,11 @@ class Record(BaseModel):
             raise _record_error("metrics", "status ok without its measurements")
         if self.metrics is not None and not {"median", "mean"} & set(self.metrics["throughput"]):
             raise _record_error("metrics.throughput", "neither median nor mean")
-        for i, instrument in enumerate((self.metrics or {}).get("instruments") or []):
-            share = instrument.get("cost_share")
-            if instrument["timed"] and (share is None or share >= TIMED_INSTRUMENT_SHARE):
-                raise _record_error(f"metrics.instruments.{i}", f"{instrument['name']} ran in timed steps "
-                                    + ("without its measured cost" if share is None else
-                                       f"and cost {100 * share:.1f} % of the step (at most "
-                                       f"{100 * TIMED_INSTRUMENT_SHARE:.0f} %)"))
+        for i, tool in enumerate((self.metrics or {}).get("instruments") or []):  # timed: its cost, under 1 %
+            if tool["timed"] and (tool.get("cost_share") is None or tool["cost_share"] >= TIMED_INSTRUMENT_SHARE):
+                raise _record_error(f"metrics.instruments.{i}", f"{tool['name']} ran in timed steps " + (
+                    "without its measured cost" if tool.get("cost_share") is None else
+                    f"and cost {100 * tool['cost_share']:.1f} % of the step (at most {100 * TIMED_INSTRUMENT_SHARE:.0f} %)"))
         if self.status != "ok" and self.metrics is not None:
             raise _record_error("metrics", f"measurements in a record of status {self.status} (only ok has them)")
         if self.status != "ok" and not (self.message or "").strip():

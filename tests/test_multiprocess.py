@@ -112,7 +112,7 @@ def test_projection_counts_the_bytes_a_measured_run_sent_and_reproduces_its_step
     point with the measured bandwidth it gives back the measured step time."""
     from embbench.columns import flat_row, speed
     from embbench.projection import comm_bytes_per_rank, project
-    from embbench.results import counted_steps
+    from embbench.columns import counted_steps
 
     raw = tiny_scenario(run={"world_size": 2, "steps": 3, "repeats": 1},
                         strategies=[{"name": "freqcache", "params": {"cache_ratio": 0.05}}], baseline="freqcache")
