@@ -55,7 +55,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.plugin import (BuildContext, MemoryFootprint, RowSpace, RowStore, SparseFeatures, SparseModule,
+from embbench.plugin import (WORK_INSTRUMENT, BuildContext, MemoryFootprint, RowSpace, RowStore, SparseFeatures, SparseModule,
                              Strategy, StrategyParams, TableWiseSharded, per_sample, pooled_lookup)
 
 __all__ = ["CacheTooSmall", "ColossalAICache", "ColossalAIParams", "ColossalAIStrategy"]
@@ -268,6 +268,13 @@ class ColossalAICache(SparseModule):
         features = features.to(self.device)
         slots = self._prepare(self.idx_map[self.space.global_rows(features)])  # eval batches too, as published
         return per_sample(pooled_lookup(self.store, slots, features.offsets(), self.device), features)
+
+    def instruments(self) -> dict[str, str]:
+        return dict(WORK_INSTRUMENT)
+
+    def set_counting(self, mode) -> None:
+        for store in (self.store,):  # its work counters: the harness's, off in timed steps
+            store.counting = mode != "off"
 
     def counters(self) -> dict[str, int]:
         misses = int(self._misses)

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from embbench.plugin import (BuildContext, MemoryFootprint, RowSpace, RowStore, RuntimeEnv, Schedule, ScheduleContext,
+from embbench.plugin import (WORK_INSTRUMENT, BuildContext, MemoryFootprint, RowSpace, RowStore, RuntimeEnv, Schedule, ScheduleContext,
                              SparseFeatures, SparseModule, Strategy, StrategyParams, TableSpec, per_sample,
                              pooled_lookup)
 
@@ -217,6 +217,13 @@ class HotColdTables(SparseModule):
         slots = self.hot_slot[self.space.global_rows(features)].long()
         self._counts["accesses"] += slots.numel()
         return per_sample(pooled_lookup(self.hot_store, slots, features.offsets(), self.device), features)
+
+    def instruments(self) -> dict[str, str]:
+        return dict(WORK_INSTRUMENT)
+
+    def set_counting(self, mode) -> None:
+        for store in (self.host.store, self.hot_store):  # its work counters: the harness's, off in timed steps
+            store.counting = mode != "off"
 
     def counters(self) -> dict[str, int]:
         work = [store.work_counters() for store in (self.host.store, self.hot_store)]

@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from embbench.plugin import (BackgroundWorker, BuildContext, MemoryFootprint, RowSpace, RowStore, SparseFeatures,
+from embbench.plugin import (WORK_INSTRUMENT, BackgroundWorker, BuildContext, MemoryFootprint, RowSpace, RowStore, SparseFeatures,
                              SparseModule, Strategy, StrategyParams, TableWiseSharded, per_sample, pooled_lookup)
 
 __all__ = ["MixCache", "SfctrParams", "SfctrStrategy"]
@@ -271,6 +271,13 @@ class MixCache(SparseModule):
         """The plans queued in this step are timed in it (they may be for later batches)."""
         if self._planner is not None:
             self._planner.wait()
+
+    def instruments(self) -> dict[str, str]:
+        return dict(WORK_INSTRUMENT)
+
+    def set_counting(self, mode) -> None:
+        for store in (self.store,):  # its work counters: the harness's, off in timed steps
+            store.counting = mode != "off"
 
     def counters(self) -> dict[str, int]:
         with self._lock:

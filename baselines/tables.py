@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from baselines.torchrec_tables import FbgemmRowPrecision, fused_optimizer, sparse_type
-from embbench.plugin import (ROW_PRECISIONS, BuildContext, EmbeddingOptimizer, MemoryFootprint, RowSpace,
+from embbench.plugin import (ROW_PRECISIONS, WORK_INSTRUMENT, BuildContext, EmbeddingOptimizer, MemoryFootprint, RowSpace,
                              SparseFeatures, SparseModule, Strategy, TableSpec, TableWiseSharded, fill_in_parallel,
                              per_sample, pooled_lookup, stored_rows, table_bytes, whole_store)
 
@@ -38,6 +38,12 @@ class WholeTables(SparseModule):
 
     def counters(self) -> dict[str, int]:
         return {"accesses": self._accesses, **self.store.work_counters()}
+
+    def instruments(self) -> dict[str, str]:
+        return dict(WORK_INSTRUMENT)
+
+    def set_counting(self, mode) -> None:
+        self.store.counting = mode != "off"
 
     def memory(self) -> MemoryFootprint:
         return MemoryFootprint(device_bytes=self.store.nbytes)
@@ -111,6 +117,7 @@ class DeviceStrategy(Strategy):
     name = "device"
     summary = "every table in device memory (the reference for equivalence); table-wise over ranks"
     row_precisions = ROW_PRECISIONS
+    all_in_hbm = True
 
     def estimate_memory(self, tables, optimizer, world_size, row_precision="fp32"):
         return MemoryFootprint(device_bytes=_table_bytes(tables, optimizer, world_size, row_precision))

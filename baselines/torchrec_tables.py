@@ -57,34 +57,55 @@ def linear_cache_indices(indices: Tensor, offsets: Tensor, hash_size_cumsum: Ten
     return torch.where(start >= 0, start + indices, total)
 
 
-def cache_step_counts(linear: Tensor, state_before: Tensor, state_after: Tensor, index_table: Tensor,
-                      num_tables: int) -> Tensor:
+def table_bounds(index_table: Tensor, num_tables: int) -> Tensor:
+    """Each table's range of linear cache indices, ``[num_tables, 2]`` (start, end), from fbgemm's
+    ``cache_index_table_map`` (linear index -> table), in which every cached table holds one
+    contiguous range; an uncached table's is empty. Read on the host once (at build)."""
+    bounds = torch.zeros(num_tables, 2, dtype=torch.long)
+    n = index_table.numel()
+    if n:
+        change = (index_table[1:] != index_table[:-1]).nonzero().flatten() + 1
+        starts = torch.cat([change.new_zeros(1), change]).cpu()
+        ends = torch.cat([starts[1:], torch.tensor([n])])
+        for table, a, b in zip(index_table[starts.to(index_table.device)].tolist(), starts.tolist(), ends.tolist()):
+            if table >= 0:
+                if bounds[table, 1] > bounds[table, 0]:
+                    raise ValueError(f"fbgemm's cache_index_table_map gives table {table} two ranges")
+                bounds[table] = torch.tensor([a, b])
+    return bounds
+
+
+def _per_table(ordered: Tensor, mask: Tensor, bounds: Tensor) -> Tensor:
+    """How many entries of ``ordered`` (ascending) that ``mask`` marks fall in each table's
+    range: the marked entries' running count read at the ranges' ends. No scatter: nothing
+    aims many entries at one address."""
+    running = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])
+    at = torch.searchsorted(ordered, bounds)
+    return running[at[:, 1]] - running[at[:, 0]]
+
+
+def cache_step_counts(linear: Tensor, state_before: Tensor, state_after: Tensor, bounds: Tensor) -> Tensor:
     """What one prefetch of fbgemm's set-associative cache did, per table.
 
     Built only on what every fbgemm release exposes for both LRU and LFU: the cache state
     (``lxu_cache_state``: the linear index held by each slot, -1 when empty) before and
     after the prefetch, and the batch's linear indices. fbgemm's own ``uvm_cache_stats``
-    are filled by the LRU path only. All counts are exact: a miss is an id whose row was
-    not cached before the prefetch; a slot whose content changed evicted its old row (if
-    any) and admitted its new one (fbgemm fills each slot at most once per prefetch).
+    are filled by the LRU path only, in total (not per table); its ``record_cache_metrics``
+    counts misses only. All counts are exact: a miss is an id whose row was not cached
+    before the prefetch; a slot whose content changed evicted its old row (if any) and
+    admitted its new one (fbgemm fills each slot at most once per prefetch).
 
     Args:
         linear: the batch's linear cache indices (:func:`linear_cache_indices`).
         state_before, state_after: ``lxu_cache_state`` around the prefetch.
-        index_table: fbgemm's ``cache_index_table_map`` (linear index -> table).
-        num_tables: rows of the result.
+        bounds: each table's range of linear indices (:func:`table_bounds`), on ``linear``'s device.
 
     Returns:
         ``[num_tables, len(CACHE_FIELDS)]`` int64 counts, on ``linear``'s device. Fixed-size
-        tensor operations only: no host synchronisation.
+        tensor operations only (no host synchronisation), and per table from sorted values
+        at the tables' boundaries (:func:`_per_table`): no accumulating scatter.
     """
-    total = index_table.numel()
     before, after = state_before.reshape(-1), state_after.reshape(-1)
-
-    def per_table(rows: Tensor, mask: Tensor) -> Tensor:
-        table = index_table[rows.clamp(0, max(total - 1, 0))].long()
-        return torch.zeros(num_tables, dtype=torch.long, device=linear.device).index_add_(0, table, mask.long())
-
     ids, _ = linear.sort()
     first = torch.ones_like(ids, dtype=torch.bool)
     first[1:] = ids[1:] != ids[:-1]
@@ -93,16 +114,18 @@ def cache_step_counts(linear: Tensor, state_before: Tensor, state_after: Tensor,
         hit = resident[torch.searchsorted(resident, ids).clamp_max(resident.numel() - 1)] == ids
     else:
         hit = torch.zeros_like(first)
-    cached_table = ids < total
     changed = before != after
+    new_rows, new_order = after.sort()
+    old_rows, old_order = before.sort()
+    every = torch.ones_like(first)  # an uncached table's ids (the total) lie past every range
     counts = {
-        "accesses": per_table(ids, cached_table),
-        "unique_accesses": per_table(ids, cached_table & first),
-        "hits": per_table(ids, cached_table & hit),
-        "misses": per_table(ids, cached_table & ~hit),
-        "unique_misses": per_table(ids, cached_table & first & ~hit),
-        "rows_admitted": per_table(after, changed & (after >= 0)),
-        "rows_evicted": per_table(before, changed & (before >= 0)),
+        "accesses": _per_table(ids, every, bounds),
+        "unique_accesses": _per_table(ids, first, bounds),
+        "hits": _per_table(ids, hit, bounds),
+        "misses": _per_table(ids, ~hit, bounds),
+        "unique_misses": _per_table(ids, first & ~hit, bounds),
+        "rows_admitted": _per_table(new_rows, changed[new_order], bounds),  # (-1 lies before every range)
+        "rows_evicted": _per_table(old_rows, changed[old_order], bounds),
     }
     return torch.stack([counts[f] for f in CACHE_FIELDS], dim=1)
 
@@ -132,13 +155,20 @@ class CacheObserver:
     runs inside forward (forward hooks), or, with fbgemm's prefetch pipeline
     (``at_prefetch``), in the TBE's own ``prefetch()``, which forward then skips (its
     ``prefetch`` is wrapped): each batch is counted once either way. Evaluation (no grad) is
-    not counted."""
+    not counted, nor any step while ``active`` is False (the timed steps: it is the harness's
+    instrument, a clone, three sorts and searches a step, ~20 % of an H100 step at the Kaggle
+    shape when it ran in them: results/2026-11-28-h100)."""
+
+    #: what it counts, as ``SparseModule.instruments`` names it
+    WHAT = "fbgemm cache traffic per table: a copy of the cache state around each prefetch, compared"
 
     def __init__(self, tbe: torch.nn.Module, at_prefetch: bool = False):
         self.features = tbe.cache_hash_size_cumsum.numel() - 1
         self.enabled = tbe.lxu_cache_weights.numel() > 0
+        self.active = True
         self.counts = torch.zeros(self.features, len(CACHE_FIELDS), dtype=torch.long,
                                   device=tbe.lxu_cache_state.device)
+        self.bounds = table_bounds(tbe.cache_index_table_map, self.features).to(tbe.lxu_cache_state.device)
         self.row_bytes = [d * tbe.lxu_cache_weights.element_size() for d in tbe.D_offsets.diff().tolist()]
         self._pending: tuple[Tensor, Tensor] | None = None
         if at_prefetch:
@@ -156,7 +186,7 @@ class CacheObserver:
 
     def _before(self, tbe, args, kwargs) -> None:
         self._pending = None
-        if not (self.enabled and torch.is_grad_enabled()):
+        if not (self.enabled and self.active and torch.is_grad_enabled()):
             return
         indices = kwargs["indices"] if "indices" in kwargs else args[0]
         offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
@@ -168,8 +198,7 @@ class CacheObserver:
         if self._pending is not None:
             linear, before = self._pending
             self._pending = None
-            self.counts += cache_step_counts(linear, before, tbe.lxu_cache_state, tbe.cache_index_table_map,
-                                             self.features)
+            self.counts += cache_step_counts(linear, before, tbe.lxu_cache_state, self.bounds)
 
 
 def _process_group(ctx: BuildContext):
@@ -414,6 +443,7 @@ class GpuShardedStrategy(FbgemmRowPrecision, Strategy):
     name = "gpu_sharded"
     summary = "torchrec DistributedModelParallel, fused kernel: tables sharded over the devices' memory"
     Params = GpuShardedParams
+    all_in_hbm = True  # fbgemm's fused TBE, optimizer fused into backward: what torchrec users run when tables fit
 
     def unsupported_reason(self, env: RuntimeEnv) -> str | None:
         if self.params.sharding == "row_wise" and not env.cuda:
@@ -498,6 +528,13 @@ class _UvmCacheTables(TorchrecTables):
         self._observers = [(tbe, CacheObserver(tbe, at_prefetch=prefetch_pipeline)) for tbe in self._tbes()]
         self.pipeline = PrefetchPipeline(self.dmp.module, device) if prefetch_pipeline else None
         self.lookahead = 1 if prefetch_pipeline else 0  # look_ahead marks when the next batch is ready
+
+    def instruments(self) -> dict[str, str]:
+        return {"fbgemm_cache_counts": CacheObserver.WHAT} if any(o.enabled for _, o in self._observers) else {}
+
+    def set_counting(self, mode) -> None:
+        for _, observer in self._observers:  # the warm-up's stopping rule reads its miss rate
+            observer.active = mode != "off"
 
     def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
         if self.pipeline is not None:

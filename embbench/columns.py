@@ -12,7 +12,7 @@ from typing import Any
 
 from embbench.results import Record
 
-__all__ = ["Speed", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed", "tier_columns", "tier_names"]
+__all__ = ["Reference", "Speed", "all_in_hbm_throughputs", "baseline_throughputs", "counted_steps", "device_need_bytes", "flat_row", "flat_rows", "get", "gpu_names", "speed", "tier_columns", "tier_names"]
 
 
 def get(d: Any, *keys: str) -> Any:
@@ -124,6 +124,8 @@ def flat_row(record: Record) -> dict[str, Any]:
         row.update({
             "throughput": fast.throughput,
             "speedup": None,  # needs the baseline's record: see flat_rows
+            "speedup_vs_hbm": None,  # and the fastest all-in-HBM cell's
+            "fastest_hbm_cell": None,
             "throughput_ci95_low": ci[0],
             "throughput_ci95_high": ci[1],
             **({"throughput_ci95_missing": rate["ci95_missing"]} if "ci95_missing" in rate else {}),
@@ -162,6 +164,7 @@ def flat_row(record: Record) -> dict[str, Any]:
             "mean_weight_diff_vs_fp32": get(m, "weight_diff_vs_fp32", "mean"),
             "build_seconds": m.get("build_seconds"),
             "generator_samples_per_s": m.get("generator_samples_per_s"),
+            **instrument_columns(m),
             **{k: m[k] for k in ("ops_per_step", "host_syncs_per_step", "warmup_steps_run", "weights_not_compared",
                                  "weights_not_compared_same_precision",
                                  "train_loss_last10_diff_vs_baseline", "logloss_diff_vs_baseline") if k in m},
@@ -183,6 +186,21 @@ def flat_row(record: Record) -> dict[str, Any]:
         "cpu": get(p, "devices", "cpu"),
     })
     return row
+
+
+def counted_steps(metrics: dict[str, Any]) -> int:
+    """The steps a record's counters cover (records before the counted steps: the measured ones)."""
+    steps = (metrics.get("counters") or {}).get("steps")
+    return steps[1] - steps[0] if steps else metrics["measured_steps"]
+
+
+def instrument_columns(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics.instruments`` as columns: their names, and what they cost together in the
+    counted steps (per step, and as a share of the timed step); None where the record has none."""
+    instruments = metrics.get("instruments") or []
+    first = instruments[0] if instruments else {}
+    return {"instruments": ", ".join(i["name"] for i in instruments) or None,
+            "instruments_cost_s_per_step": first.get("cost_s_per_step"), "instruments_cost_share": first.get("cost_share")}
 
 
 def tier_columns(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -212,15 +230,42 @@ def baseline_throughputs(records: list[Record]) -> dict[tuple[str, int], float]:
     return base
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The cell a speed ratio is against: its id and throughput."""
+
+    cell_id: str
+    throughput: float
+
+
+def all_in_hbm_throughputs(records: list[Record]) -> dict[tuple[str, int], Reference]:
+    """The fastest cell of each scenario and world size whose strategy keeps every table in
+    device memory (``Strategy.all_in_hbm``: ``device``, torchrec's ``gpu_sharded``), fp32 rows:
+    what a cache is also held against, beside the baseline (which stays the reference for
+    weights). Strategies not installed here count as not all-in-HBM."""
+    from embbench.strategy import is_all_in_hbm
+
+    best: dict[tuple[str, int], Reference] = {}
+    for r in records:
+        if r.status == "ok" and r.metrics and r.row_precision == "fp32" and is_all_in_hbm(r.strategy):
+            key, rate = (r.scenario["digest"], r.world_size), speed(r.metrics).throughput
+            if key not in best or rate > best[key].throughput:
+                best[key] = Reference(r.cell_id, rate)
+    return best
+
+
 def flat_rows(records: list[Record]) -> list[dict[str, Any]]:
     """:func:`flat_row` of each record, with ``speedup``: its throughput over
-    :func:`baseline_throughputs` (None without a measured baseline)."""
-    base = baseline_throughputs(records)
+    :func:`baseline_throughputs`, and ``speedup_vs_hbm``: over the fastest all-in-HBM cell
+    (:func:`all_in_hbm_throughputs`, named in ``fastest_hbm_cell``); None without one measured."""
+    base, hbm = baseline_throughputs(records), all_in_hbm_throughputs(records)
     rows = []
     for r in records:
         row = flat_row(r)
         key = (r.scenario["digest"], r.world_size)
         if "throughput" in row and base.get(key):
             row["speedup"] = row["throughput"] / base[key]
+        if "throughput" in row and key in hbm:
+            row["speedup_vs_hbm"], row["fastest_hbm_cell"] = row["throughput"] / hbm[key].throughput, hbm[key].cell_id
         rows.append(row)
     return rows

@@ -15,11 +15,13 @@ from embbench.optim import EmbeddingOptimizer, aggregate_rows, aggregate_rows_pa
 from embbench.row_update import stepped_rows, triton_problem, update_valid_rounded_rows, update_valid_rows
 from embbench.row_precision import RowType, row_type, uniform_keyed
 
-__all__ = ["RoundedRowStore", "RowSpace", "RowStore", "WORK_COUNTERS", "per_sample", "pooled_lookup", "stored_rows",
+__all__ = ["RoundedRowStore", "RowSpace", "RowStore", "WORK_COUNTERS", "WORK_INSTRUMENT", "per_sample", "pooled_lookup", "stored_rows",
            "whole_store"]
 
 #: What a store's updates cost, as counters (see embbench.strategy.COUNTERS).
 WORK_COUNTERS = ("update_entries", "update_entries_max_per_row", "ids_max_per_row")
+#: The store's work counting as ``SparseModule.instruments`` names it (:attr:`RowStore.counting`).
+WORK_INSTRUMENT = {"update_work": "the row update's entries and the most ids on one row, added up on the device"}
 
 
 class RowSpace:
@@ -106,6 +108,10 @@ class RowStore:
     #: padding (:mod:`embbench.row_update`), in any row precision; None: where it runs compiled
     #: (CUDA with Triton). True on a CPU runs it in Triton's interpreter (the tests).
     update_kernel: bool | None = None
+    #: Whether a step adds its work to the counters (:data:`WORK_COUNTERS`): the harness's
+    #: instrument (device adds and a search for the most ids on a row), off in timed steps
+    #: (``SparseModule.set_counting``).
+    counting: bool = True
 
     def __init__(self, weights: Tensor, state: Tensor, optimizer: EmbeddingOptimizer):
         self.weights, self.state, self.optimizer = weights, state, optimizer
@@ -135,18 +141,21 @@ class RowStore:
             unique, summed, inverse, ids = aggregate_rows(rows, grads)
             keys = None if keys is None else torch.zeros_like(unique).scatter_(0, inverse, keys.to(unique.dtype))
             self.update_rows(unique, summed, unique if keys is None else keys, None)
-            self._count(len(unique), int(len(unique) > 0), ids.max() if len(ids) else 0)
+            if self.counting:
+                self._count(len(unique), int(len(unique) > 0), ids.max() if len(ids) else 0)
             return
-        agg = aggregate_rows_padded(rows, grads)
+        agg = aggregate_rows_padded(rows, grads, count=self.counting)
         if keys is not None:  # the key of each row: any of its ids' (a slot holds one row)
             keys = torch.zeros_like(agg.rows).scatter_(0, agg.inverse, keys.to(agg.rows.dtype))
         if self._kernel_updates(rows.device):
             self.update_valid(agg.rows, agg.grads, agg.rows if keys is None else keys, agg.distinct)
-            self._count(agg.distinct, 1, agg.ids_max_per_row)
+            if self.counting:
+                self._count(agg.distinct, 1, agg.ids_max_per_row)
             return
         self.update_rows(agg.rows, agg.grads, agg.rows if keys is None else keys, agg.owner)
         # the padding repeats each row once per further id: as many entries on a row as it had ids
-        self._count(len(agg.rows), agg.ids_max_per_row, agg.ids_max_per_row)
+        if self.counting:
+            self._count(len(agg.rows), agg.ids_max_per_row, agg.ids_max_per_row)
 
     def update_rows(self, rows: Tensor, grad: Tensor, keys: Tensor, owner: Tensor | None = None) -> None:
         """The optimizer step of ``rows`` with their summed gradients: unique rows, or the
@@ -166,7 +175,7 @@ class RowStore:
 
     def _count(self, *work: int | Tensor) -> None:
         """Add one step's work (WORK_COUNTERS' order) to the counters; a tensor stays on the
-        device (never read in a step)."""
+        device (never read in a step); called only while :attr:`counting`."""
         for i, value in enumerate(work):
             if isinstance(value, Tensor):
                 if self._work is None:

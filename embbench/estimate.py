@@ -5,7 +5,7 @@ A cell's time is its start-up, its build and its steps::
     start-up + build + trained x (step + batch) + eval x (step / 2 + batch) + 3 x batch
 
 ``trained`` is every training step a cell takes (the longest warm-up, ``repeats`` x ``steps``
-timed, the untimed steps that count operators), ``eval`` the held-out batches (forward only:
+timed, the counted steps after them, the untimed steps that count operators), ``eval`` the held-out batches (forward only:
 half a step), ``batch`` the time to make one global batch (untimed in the run, but on the
 clock of the cell), and the 3 batches the generator's own rate is measured on.
 
@@ -368,7 +368,7 @@ def cell_times(scenario: Scenario, cells: list[Cell], run_dirs: list[Path], devi
     """
     tables = scenario.tables()
     run = scenario.run
-    trained = run.warmup_bound + run.repeats * run.steps + OPS_STEPS
+    trained = run.warmup_bound + run.repeats * run.steps + run.counted_steps + OPS_STEPS
     evaluated = eval_batches(scenario.data, run)
     earlier = earlier_records(scenario, run_dirs, device)
     smaller = earlier_records(scenario, run_dirs, device, smaller=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
-from embbench.columns import flat_row, get, gpu_names
+from embbench.columns import counted_steps, flat_row, get, gpu_names
 from embbench.compare import ALPHA, TEST, Run, aa_floor_of, compare_runs
 from embbench.optional import require
 from embbench.outputs import atomic_write, claim_output, head_has
@@ -241,7 +241,7 @@ def plot_per_rank(run: Run) -> list[str]:
         ranks = get(record.metrics, "per_rank")
         if record.status != "ok" or not ranks:
             continue
-        steps = record.metrics["measured_steps"]
+        steps = counted_steps(record.metrics)  # the steps the counters cover
         panels = [
             ("device MiB (static)", [r["memory"]["static_device_bytes"] / MiB for r in ranks]),
             ("host MiB (static + pinned)", [(r["memory"]["static_host_bytes"] + r["memory"]["pinned_bytes"]) / MiB for r in ranks]),

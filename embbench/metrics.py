@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import resource
 import statistics
@@ -12,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["memory_tiers", "tiers_by_table", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize", "speed_figures", "auc_logloss", "peak_rss_bytes",
-           "device_memory", "OpCounter", "miss_rate", "warmed_up", "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training",
-           "accuracy_warnings"]
+__all__ = ["instrument_costs", "memory_tiers", "tiers_by_table", "belady_hit_rate", "belady_hit_rates", "StepTimer", "summarize",
+           "speed_figures", "auc_logloss", "peak_rss_bytes", "device_memory", "OpCounter", "miss_rate", "warmed_up",
+           "UNSTABLE_LOSS_RATIO", "too_few_eval_samples", "unstable_training", "accuracy_warnings"]
 
 #: A training loss this many times the first step's says the optimizer overshot. The scenarios'
 #: old dense Adagrad at lr 0.05 reached 1.7e6 at step 1 (from 0.69) and recovered; a run that does
@@ -70,6 +71,9 @@ class OpCounter:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.ops = 0
+        #: the calls of each operator by name (``index_add_``, ``sort``): what a test asserts a
+        #: step does not issue
+        self.by_name: collections.Counter[str] = collections.Counter()
         self.host_syncs: int | None = 0 if self.cuda else None
         self._lock = threading.Lock()
 
@@ -90,15 +94,18 @@ class OpCounter:
             def __init__(self):
                 super().__init__()
                 self.ops = 0
+                self.by_name: collections.Counter[str] = collections.Counter()
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 self.ops += 1
+                self.by_name[func.overloadpacket.__name__] += 1
                 return func(*args, **(kwargs or {}))
 
             def __exit__(self, *exc):
                 super().__exit__(*exc)
                 with counter._lock:  # threads add their counts one at a time
                     counter.ops += self.ops
+                    counter.by_name.update(self.by_name)
 
         return _Count()
 
@@ -251,6 +258,24 @@ def tiers_by_table(c: dict[str, int], steps: int, row_bytes: int) -> dict[str, l
                   **{k: v for k, v in t.items() if k.startswith("dram_")}}
         out[name] = memory_tiers(counts, steps, row_bytes)
     return out
+
+
+def instrument_costs(instruments: dict[str, str], timed: tuple[int, int], timed_seconds: list[float],
+                     counted: tuple[int, int], counted_seconds: list[float]) -> list[dict[str, Any]]:
+    """``metrics.instruments``: each of the harness's instruments in a cell (name -> what it
+    records), the training steps it ran in (``steps``, [first, end): the counted steps, right
+    after the timed ones, ``timed``: whether any step it ran in was timed) and what it cost,
+    measured in the same run: the counted steps' median step less the timed steps' (the same
+    code but for the instruments), per step and as a share of the timed step. Several
+    instruments share one figure (they run together); below the steps' noise it may be negative."""
+    if not instruments:
+        return []
+    timed_step, counted_step = statistics.median(timed_seconds), statistics.median(counted_seconds)
+    cost = counted_step - timed_step
+    overlap = counted[0] < timed[1] and timed[0] < counted[1]
+    return [{"name": name, "what": what, "steps": list(counted), "timed": overlap, "counted_step_s": counted_step,
+             "cost_s_per_step": cost, "cost_share": cost / timed_step}
+            for name, what in sorted(instruments.items())]
 
 
 def summarize(samples: list[float]) -> dict[str, Any]:

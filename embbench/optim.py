@@ -103,13 +103,14 @@ class PaddedRows:
     inverse: Tensor  #: [n] each id's entry, as ``torch.unique`` returns it
     owner: Tensor  #: [n] the valid entry of each entry's row (itself on the first k)
     distinct: Tensor  #: 0-dim: k, on the rows' device
-    ids_max_per_row: Tensor  #: 0-dim: the most ids on one row
+    ids_max_per_row: Tensor | None  #: 0-dim: the most ids on one row (None: not counted)
 
 
-def aggregate_rows_padded(rows: Tensor, grads: Tensor) -> PaddedRows:
+def aggregate_rows_padded(rows: Tensor, grads: Tensor, count: bool = True) -> PaddedRows:
     """:func:`aggregate_rows` at a fixed shape, with no operation whose output size depends
     on the values (on CUDA: no host sync). Each row's gradients are summed in the order of
-    ``rows``, as :func:`aggregate_rows` sums them: the same floats on the CPU."""
+    ``rows``, as :func:`aggregate_rows` sums them: the same floats on the CPU. ``count``: also
+    the most ids on one row (a counter's, four more operations: not in a timed step)."""
     n = rows.numel()
     position = torch.arange(n, device=rows.device)
     ordered, order = torch.sort(rows, stable=True)
@@ -122,8 +123,11 @@ def aggregate_rows_padded(rows: Tensor, grads: Tensor) -> PaddedRows:
     entry = torch.where(starts, group, distinct + position - group - 1)
     inverse = torch.empty_like(group).scatter_(0, order, group)
     summed = grads.new_zeros(n, grads.shape[1]).index_add_(0, inverse, grads)
-    run_start = torch.cummax(torch.where(starts, position, 0), 0).values
+    most = None
+    if count:
+        run_start = torch.cummax(torch.where(starts, position, 0), 0).values
+        most = (position - run_start + 1).max() if n else position.new_zeros(())
     return PaddedRows(rows=torch.empty_like(ordered).scatter_(0, entry, ordered), grads=summed,
                       valid=position < distinct, inverse=inverse,
                       owner=torch.empty_like(group).scatter_(0, entry, group), distinct=distinct,
-                      ids_max_per_row=(position - run_start + 1).max() if n else position.new_zeros(()))
+                      ids_max_per_row=most)

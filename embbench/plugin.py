@@ -30,7 +30,8 @@ The data a module sees:
 Building blocks for a strategy that holds rows itself (:mod:`embbench.embedding`):
 
 - :class:`RowSpace`: all tables as one range of global rows.
-- :class:`RowStore`: rows and their optimizer state on one device.
+- :class:`RowStore`: rows and their optimizer state on one device; ``WORK_INSTRUMENT`` names its
+  work counting for ``SparseModule.instruments`` (switched by ``RowStore.counting``).
 - :func:`whole_store`: every row of a space, initialised, in the cell's row precision.
 - :func:`pooled_lookup`: sum-pooled bags whose backward applies the optimizer to the store.
 - :func:`per_sample`: pooled bags (table-major) as the module's output ``[B, T * D]``.
@@ -49,7 +50,7 @@ from __future__ import annotations
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import TableSpec
 from embbench.data.weights import fill_in_parallel
-from embbench.embedding import RowSpace, RowStore, per_sample, pooled_lookup, stored_rows, whole_store
+from embbench.embedding import WORK_INSTRUMENT, RowSpace, RowStore, per_sample, pooled_lookup, stored_rows, whole_store
 from embbench.optim import EmbeddingOptimizer
 from embbench.row_precision import ROW_PRECISIONS, table_bytes
 from embbench.sharding import TableWiseSharded
@@ -60,6 +61,6 @@ from embbench.worker import BackgroundWorker
 __all__ = [
     "COUNTERS", "ROW_PRECISIONS", "BackgroundWorker", "Batch", "BuildContext", "EmbeddingOptimizer", "MemoryFootprint",
     "RowSpace", "RowStore", "RuntimeEnv", "Schedule", "ScheduleContext", "SparseFeatures", "SparseModule", "Strategy",
-    "StrategyParams", "TableSpec", "TableWiseSharded", "Unsupported", "fill_in_parallel", "per_sample",
+    "StrategyParams", "TableSpec", "TableWiseSharded", "Unsupported", "WORK_INSTRUMENT", "fill_in_parallel", "per_sample",
     "pooled_lookup", "stored_rows", "table_bytes", "whole_store",
 ]

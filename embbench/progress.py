@@ -103,7 +103,7 @@ class RunProgress:
         self.progress.reset(self._phase, total=None, description=f"{cell.id}  starting", visible=True)
 
     def on_progress(self, cell: Cell, phase: str, step: int, total: int) -> None:
-        """``step`` steps of ``total`` done in ``phase`` (build, warmup, measure, eval)."""
+        """``step`` steps of ``total`` done in ``phase`` (build, warmup, measure, count, catch-up, eval)."""
         description = f"{cell.id}  {phase}"  # plain text: the column does not read markup
         task = self.progress.tasks[self._phase]
         if task.description != description:  # a new phase: its own bar, elapsed time and ETA

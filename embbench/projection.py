@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from embbench.columns import speed
+from embbench.columns import counted_steps, speed
 from embbench.data.presets import TableSpec
 from embbench.results import Record
 from embbench.sharding import plan_table_wise
@@ -65,10 +65,12 @@ def measured_step_and_comm(metrics: dict[str, Any]) -> tuple[float, float]:
     """``(T0, S0)``: the step time every table prints (:func:`embbench.columns.speed`: the
     median of the repeats' medians) and the time in collectives per step of the rank that
     spent the most time in collectives."""
-    steps = metrics["measured_steps"]
     per_rank = metrics.get("per_rank") or [{"counters": metrics["counters"]["total"]}]
+    if all("timed_comm_us" in r for r in per_rank):  # over the timed steps, as the step time is
+        return speed(metrics).step_s, max(r["timed_comm_us"] for r in per_rank) / 1e6 / metrics["measured_steps"]
+    # older records: the counters' steps (the measured ones before the counted steps existed)
     busiest = max(per_rank, key=lambda r: r["counters"].get("comm_us", 0))
-    return speed(metrics).step_s, busiest["counters"].get("comm_us", 0) / 1e6 / steps
+    return speed(metrics).step_s, busiest["counters"].get("comm_us", 0) / 1e6 / counted_steps(metrics)
 
 
 def why_not_projectable(record: Record) -> str | None:

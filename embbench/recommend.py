@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from embbench.columns import flat_row, get, speed
+from embbench.columns import flat_rows, get, speed
 from embbench.commands import effective_flags, run_command
 from embbench.compare import ALPHA, repeat_test
 from embbench.eval_scores import read_eval_scores
@@ -102,6 +102,23 @@ class Candidate:
     not_judged: str | None = None
     #: the type its rows are stored in (``run.row_precision``)
     row_precision: str = "fp32"
+    #: its throughput over the baseline's, and over the fastest all-in-HBM cell's (named), or None
+    vs_baseline: float | None = None
+    vs_hbm: float | None = None
+    fastest_hbm_cell: str | None = None
+
+    @property
+    def hbm_differs(self) -> bool:
+        """Whether the ratio to the fastest all-in-HBM cell says more than the speedup (that
+        cell is not the baseline's)."""
+        return self.vs_hbm is not None and self.vs_hbm != self.vs_baseline
+
+    def reference_ratios(self) -> str:
+        """``, 0.95x the baseline, 0.91x the fastest all-in-HBM cell (gpu_sharded@w1)``: the speed
+        against both references (the baseline stays the reference for weights)."""
+        parts = [f"{self.vs_baseline:.2f}x the baseline" if self.vs_baseline is not None else "",
+                 f"{self.vs_hbm:.2f}x the fastest all-in-HBM cell ({self.fastest_hbm_cell})" if self.hbm_differs else ""]
+        return "".join(f", {p}" for p in parts if p)
 
 
 @dataclass
@@ -300,7 +317,7 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
     by more than ``auc_tolerance`` and beyond its sampling error (:func:`_auc_test`; a drop
     within it is a note, not a reason).
     """
-    rows = {r.cell_id: flat_row(r) for r in records}
+    rows = {row["cell_id"]: row for row in flat_rows(records)}  # with the speed ratios
     out = []
     for world in sorted({r.world_size for r in records}):
         mine = [r for r in records if r.world_size == world]
@@ -342,7 +359,9 @@ def recommend(records: list[Record], budget: Budget, auc_tolerance: float = 0.00
                 rec.excluded[r.cell_id] = "; ".join(why)
             else:
                 fitting.append(Candidate(r.cell_id, row["throughput"], row["device_bytes"], row["host_bytes_all_ranks"],
-                                         row["auc"], flags=speed(r.metrics).flags, row_precision=r.row_precision))
+                                         row["auc"], flags=speed(r.metrics).flags, row_precision=r.row_precision,
+                                         vs_baseline=row.get("speedup"), vs_hbm=row.get("speedup_vs_hbm"),
+                                         fastest_hbm_cell=row.get("fastest_hbm_cell")))
         fitting.sort(key=lambda c: -c.throughput)
         if any(str(r.metrics.get("device", "")).startswith("cpu") for r in mine if r.metrics):
             rec.caveats.append(CPU_RUN_CAVEAT)

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from embbench.columns import baseline_throughputs, device_need_bytes, flat_row, speed, tier_names
+from embbench.columns import (Reference, all_in_hbm_throughputs, baseline_throughputs, device_need_bytes, flat_row,
+                              instrument_columns, speed, tier_names)
 from embbench.compare import METRICS, TIER_METRICS, CellComparison, Delta, Significance, repeat_test
 from embbench.metrics import accuracy_warnings
 from embbench.recommend import CACHE_RATIO, CPU_RUN_CAVEAT, Budget, Recommendation, format_bytes, recommend
@@ -64,6 +65,7 @@ RESULT_COLUMNS = [
     Column("throughput", "samples/s\n(95% interval)", always=True),
     Column("step_time", "step ms\nrepeats / p95", always=True),
     Column("speedup", "speedup", always=True),
+    Column("speedup_hbm", "vs\nHBM", always=True),
     Column("device_bytes", "device MiB\nstatic / peak"),
     Column("hit_rate", "hit rate per\naccess (MIN est.)"),
     Column("cpu", "CPU ms\nper step"),
@@ -76,11 +78,12 @@ RESULT_COLUMNS = [
     Column("order", "order"),
     Column("ops_syncs", "ops / syncs\nper step"),
     Column("bookkeeping", "bookkeeping\nper step"),
+    Column("instruments", "instruments\ncost"),
     Column("ranks", "ranks"),  # also in the cell id (@wN)
 ]
 
 
-def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
+def _row(r: Record, baseline_rate: dict[tuple[str, int], float], hbm: dict[tuple[str, int], Reference]) -> Row:
     """A cell's numbers as text, and the raw numbers the HTML table sorts by."""
     row = Row({"cell": Text(r.cell_id), "status": Text(r.status, style=_STATUS_STYLE.get(r.status, "")),
                "ranks": str(r.world_size)},
@@ -93,6 +96,10 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     ci, rate = fast.throughput_interval, fast.throughput
     cpu = m.get("cpu_seconds_per_step")
     base = baseline_rate.get((r.scenario["digest"], r.world_size))
+    fastest = hbm.get((r.scenario["digest"], r.world_size))
+    # (where the fastest all-in-HBM cell is the baseline's, the column would repeat speedup: left empty)
+    hbm_rate = fastest.throughput if fastest and fastest.throughput != base else None
+    instruments = instrument_columns(m)
     per_step = _get(m, "counters", "per_step") or {}
     mem = m["memory"]
     auc, logloss = _get(m, "accuracy", "auc"), _get(m, "accuracy", "logloss")
@@ -112,6 +119,9 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
         "throughput": _throughput_text(rate, ci, fast.flags, bool(m["throughput"].get("ci95_missing"))),
         "cpu": "" if cpu is None else f"{cpu * 1e3:,.2f}",
         "speedup": f"{rate / base:.2f}x" if base else "-",
+        "speedup_hbm": f"{rate / hbm_rate:.2f}x" if hbm_rate else "-",
+        "instruments": "" if instruments["instruments_cost_share"] is None else
+            f"{100 * instruments['instruments_cost_share']:+.1f} % ({instruments['instruments']})",
         "hit_rate": _hit_rates(hit, bound, unique_hit, _get(m, "extra", "belady_unique_hit_rate")),
         "h2d_d2h": "" if not moved else
             f"{per_step.get('bytes_h2d', 0) / 2**20:,.2f} / {per_step.get('bytes_d2h', 0) / 2**20:,.2f}",
@@ -127,6 +137,7 @@ def _row(r: Record, baseline_rate: dict[tuple[str, int], float]) -> Row:
     })
     row.sort.update({
         "step_time": fast.step_s, "throughput": rate, "cpu": cpu, "speedup": rate / base if base else None,
+        "speedup_hbm": rate / hbm_rate if hbm_rate else None, "instruments": instruments["instruments_cost_share"],
         "hit_rate": hit if hit is not None else unique_hit, "h2d_d2h": moved or None,
         "comm": per_step.get("bytes_comm"), "device_bytes": device_need_bytes(mem), "host_bytes": host,
         "auc": auc, "logloss": logloss, "max_dw": diff, "ops_syncs": ops,
@@ -164,13 +175,18 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
     """One row per cell: speed against the baseline, memory, accuracy, cache counters."""
     baseline_name = records[0].baseline if records else None
     records = _table_order(records)
-    baseline_rate = baseline_throughputs(records)
+    baseline_rate, hbm = baseline_throughputs(records), all_in_hbm_throughputs(records)
+    fastest = sorted({ref.cell_id for ref in hbm.values()})
     notes = {
         "throughput": "samples/s: the global batch over the median of the repeats' median steps, with its 95% "
                       "interval over repeats; busy!: other processes or the hypervisor took the machine while it was "
                       "timed, wide!: its interval is wider than ±10%, filling!: a cache timed while it still filled (empty slots, or a "
                       "miss rate still falling: cheaper than its steady state)",
         "speedup": f"speedup against {baseline_name} at the same ranks (its fp32 cell where it ran in several row precisions)",
+        "speedup_hbm": "vs HBM: speedup against the fastest all-in-HBM cell (every table in device memory) "
+                       f"at the same ranks, fp32 ({', '.join(fastest) if fastest else 'none measured'})",
+        "instruments": "instruments cost: the harness's counting, in counted steps after the timed ones (never timed): "
+                       "their median step over the timed median, less one",
         "hit_rate": "hit rate per access (per distinct row where only that is counted), in brackets Belady's MIN over the "
                     "same steps: per access an estimate a policy can beat, per distinct row (uniq) a bound",
         "cpu": "CPU ms per step: every thread of every rank, the timed steps' and any side thread's work beside them "
@@ -181,7 +197,7 @@ def comparison_grid(records: list[Record], title: str | None = None) -> Grid:
         "max_dw": "max |Δw| only where the training order is the baseline's; a fp16 / bf16 / fp8 cell's from the "
                   "baseline's cell in the same precision where the run has one",
     }
-    return Grid(RESULT_COLUMNS, [_row(r, baseline_rate) for r in records], title=title, notes=notes,
+    return Grid(RESULT_COLUMNS, [_row(r, baseline_rate, hbm) for r in records], title=title, notes=notes,
                 caption=host_device_caption(records))
 
 
@@ -475,7 +491,8 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
             console.print(Text.assemble("fastest on this machine: " if host_first else "recommended: ", (b.cell_id, "bold green"),
                                         f"  {b.throughput:,.0f} samples/s, device {format_bytes(b.device_bytes)}, "
                                         f"host {format_bytes(b.host_bytes)}" + (f", AUC {b.auc:.4f}" if b.auc is not None else "")
-                                        + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")))
+                                        + (f", rows in {b.row_precision}" if b.row_precision != "fp32" else "")
+                                        + b.reference_ratios()))
         for caveat in rec.caveats:
             if caveat not in host_first:
                 console.print(Text(f"caveat: {caveat}", style="yellow"))
@@ -483,12 +500,16 @@ def print_recommendations(recs: list[Recommendation], budget: Budget, source: st
             table = Table(title="runners-up", header_style="bold", title_justify="left",
                           caption="vs best: throughput against the recommended cell; significant: Welch's t over repeats, "
                                   "with the 95% interval of the ratio, as compare judges it (~: not judged, and why)")
-            for col in ["cell", "samples/s", "vs best", "significant", "device", "host", "AUC"]:
+            hbm = any(c.hbm_differs for c in [rec.best, *rec.runners_up])  # else it repeats the speedup
+            for col in ["cell", "samples/s", "vs best", "significant", "vs baseline", *(["vs all-in-HBM"] if hbm else []),
+                        "device", "host", "AUC"]:
                 table.add_column(col, justify="left" if col == "cell" else "right")
             for c in rec.runners_up:
                 sig = Significance("", c.p_value, c.significant, 0, 0, interval=c.interval, not_judged=c.not_judged)
                 table.add_row(Text(c.cell_id), f"{c.throughput:,.0f}", f"{100 * c.relative_to_best:+.1f}%",
-                              _significance_text(sig), format_bytes(c.device_bytes), format_bytes(c.host_bytes),
+                              _significance_text(sig), *[f"{x:.2f}x" if x is not None else "-"
+                                                         for x in (c.vs_baseline, *([c.vs_hbm] if hbm else []))],
+                              format_bytes(c.device_bytes), format_bytes(c.host_bytes),
                               "-" if c.auc is None else f"{c.auc:.4f}")
             console.print(table)
         if rec.excluded:

@@ -22,8 +22,9 @@ from embbench.bounds import Bytes, Count, Finite, NonNegative, Positive, Positiv
 from embbench.inputs import not_regular, open_schema as _open, read_json, schema_error, validated
 from embbench.outputs import atomic_write
 
-__all__ = ["FAILED_STATUSES", "SCHEMA_VERSION", "Metrics", "Record", "RecordError", "Status", "by_scenario",
-           "load_records", "read_record", "run_directory_lock", "scenario_differences", "schema_error", "write_record"]
+__all__ = ["FAILED_STATUSES", "SCHEMA_VERSION", "TIMED_INSTRUMENT_SHARE", "Instrument", "Metrics", "Record", "RecordError",
+           "Status", "by_scenario", "load_records", "read_record", "run_directory_lock",
+           "scenario_differences", "schema_error", "write_record"]
 
 SCHEMA_VERSION = 1
 #: ``skipped``: never started, the memory preflight said it would not fit (``oom``: it ran, and ran out)
@@ -121,11 +122,12 @@ class Accuracy(TypedDict):
 
 @_open
 class Counters(TypedDict):
-    """The strategy's counters over the measured steps (``total``) and per step, and the hit
-    rates derived from them (None: the strategy counts no hits)."""
+    """The strategy's counters over the counted steps (``steps``, [first, end); older records: the measured
+    steps) in total and per step, and the hit rates derived from them (None: the strategy counts no hits)."""
 
     total: dict[str, NonNegative]
     per_step: NotRequired[dict[str, NonNegative]]
+    steps: NotRequired[Annotated[tuple[Count, Count], AfterValidator(_ordered_interval)]]
     hit_rate: NotRequired[Rate | None]
     unique_hit_rate: NotRequired[Rate | None]
 
@@ -139,6 +141,22 @@ class Extra(TypedDict):
     window_hit_rate: NotRequired[Rate | None]
     window_unique_hit_rate: NotRequired[Rate | None]
     capacity_rows: NotRequired[Count | None]
+
+
+@_open
+class Instrument(TypedDict):
+    """A harness instrument of a cell, the steps it ran in and its cost (:func:`embbench.metrics.instrument_costs`)."""
+
+    name: str
+    what: str
+    steps: Annotated[tuple[Count, Count], AfterValidator(_ordered_interval)]
+    timed: bool
+    counted_step_s: NotRequired[Positive]
+    cost_s_per_step: NotRequired[Finite]
+    cost_share: NotRequired[Finite]
+
+
+TIMED_INSTRUMENT_SHARE = 0.01  # the most an instrument that runs in timed steps may cost of the step (issue 47)
 
 
 @_open
@@ -165,6 +183,7 @@ class RankMetrics(TypedDict):
     memory: MemoryFigures
     counters: dict[str, NonNegative]
     measured_seconds: NotRequired[Positive]  # absent in records older than the projection's use of it
+    timed_comm_us: NotRequired[NonNegative]  # its collectives' time in the timed steps (counters: the counted ones)
     extra: NotRequired[dict[str, Any]]
     hit_rate: NotRequired[Rate | None]
     unique_hit_rate: NotRequired[Rate | None]
@@ -264,6 +283,8 @@ class Metrics(TypedDict):
     memory: Memory
     accuracy: NotRequired[Accuracy]
     counters: Counters
+    #: the harness's instruments (absent: records before they were named; [] none)
+    instruments: NotRequired[list[Instrument]]
     extra: NotRequired[Extra]
     per_rank: NotRequired[Annotated[list[RankMetrics], Field(min_length=1)] | None]  # None: one rank
     weights_file: NotRequired[str | None]
@@ -373,6 +394,11 @@ class Record(BaseModel):
             raise _record_error("metrics", "status ok without its measurements")
         if self.metrics is not None and not {"median", "mean"} & set(self.metrics["throughput"]):
             raise _record_error("metrics.throughput", "neither median nor mean")
+        for i, tool in enumerate((self.metrics or {}).get("instruments") or []):  # timed: its cost, under 1 %
+            if tool["timed"] and (tool.get("cost_share") is None or tool["cost_share"] >= TIMED_INSTRUMENT_SHARE):
+                raise _record_error(f"metrics.instruments.{i}", f"{tool['name']} ran in timed steps " + (
+                    "without its measured cost" if tool.get("cost_share") is None else
+                    f"and cost {100 * tool['cost_share']:.1f} % of the step (at most {100 * TIMED_INSTRUMENT_SHARE:.0f} %)"))
         if self.status != "ok" and self.metrics is not None:
             raise _record_error("metrics", f"measurements in a record of status {self.status} (only ok has them)")
         if self.status != "ok" and not (self.message or "").strip():

@@ -32,9 +32,8 @@ from embbench.data import NUM_DENSE_FEATURES, SparseFeatures, Stream, TableSpec
 from embbench.data.sources import eval_batches
 from embbench.data.weights import initial_weights
 from embbench.device import resolve_device
-from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, memory_tiers, miss_rate, peak_rss_bytes,
-                              tiers_by_table,
-                              speed_figures, warmed_up)
+from embbench.metrics import (OpCounter, StepTimer, auc_logloss, device_memory, instrument_costs, memory_tiers, miss_rate,
+                              peak_rss_bytes, speed_figures, tiers_by_table, warmed_up)
 from embbench.model import build_model
 from embbench.outputs import atomic_write
 from embbench.precision import effective_precision, scoped_to_the_cell, with_dense_precision
@@ -79,12 +78,13 @@ def run_cell(scenario: Scenario, cell: Cell, env: RuntimeEnv, weights_path: Path
         warmup = _warm_up(training, report)
         generator_rate = _generator_rate(training)
         timing = _time_steps(training, report)
+        counted = _counted_steps(training, report)
         ops = _count_ops(training)
         profile = _profile(training, profile_path) if profile_path is not None else None
         _catch_up(training, warmup, report)
         accuracy = _evaluate(training, report)
         weights = _save_weights(training, weights_path)
-        return _record(training, warmup, timing, generator_rate, ops, profile, accuracy, weights)
+        return _record(training, warmup, timing, counted, generator_rate, ops, profile, accuracy, weights)
 
 
 def training_stream(device: torch.device):
@@ -281,6 +281,7 @@ def _warm_up(training: _Training, report: "_Progress") -> _WarmUp:
     losses: list[torch.Tensor] = []
     window_rates: list[float | None] = []
     window_empty: list[int | None] = []
+    sparse.set_counting("warmup")
     first = window_start = sparse.counters()
     while training.step_index < run.warmup_bound:
         step = training.step_index
@@ -328,7 +329,10 @@ def _generator_rate(training: _Training) -> float:
 @dataclass
 class _Timing:
     step_seconds: list[float]
-    counters: dict[str, int]
+    #: the training steps timed, [first, end)
+    steps: tuple[int, int]
+    #: microseconds this rank spent in collectives over them (a strategy that times its own), or None
+    comm_us: int | None
     #: this rank's CPU seconds (every thread) in its timed steps, the untimed batch-making excluded
     cpu_seconds: float
     #: the machine sampled at the start and the end of the timed steps (:func:`embbench.noise.sample`)
@@ -338,7 +342,8 @@ class _Timing:
 
 
 def _time_steps(training: _Training, report: "_Progress") -> _Timing:
-    """``repeats`` x ``steps`` timed steps, and the strategy's counters over them.
+    """``repeats`` x ``steps`` timed steps, with the harness's instruments off (their counts come
+    from :func:`_counted_steps`).
 
     Each repeat's batches are made before it, untimed, and the main thread's CPU time for making
     batches is taken out of the cell's CPU time, so that it holds every thread's work on the steps
@@ -347,7 +352,8 @@ def _time_steps(training: _Training, report: "_Progress") -> _Timing:
     """
     run = training.run
     first_step = training.step_index
-    counters_before = training.sparse.counters()
+    training.sparse.set_counting("off")
+    counters_before = training.sparse.counters()  # (read between steps: times, not instruments, are wanted here)
     step_seconds: list[float] = []
     losses: list[torch.Tensor] = []
     gpu = noise.gpu_id(training.device)
@@ -364,11 +370,38 @@ def _time_steps(training: _Training, report: "_Progress") -> _Timing:
             losses.append(loss)
         _check_finite(losses[-run.steps:], first_step + repeat * run.steps)
     end = noise.sample(gpu)
-    counters = _sum_counters(counters_before, training.sparse.counters())
     window_cpu = end["process_cpu_s"] - start["process_cpu_s"]
     making_batches = training.batch_cpu_seconds - batch_cpu_before
-    return _Timing(step_seconds, counters, max(0.0, window_cpu - making_batches),
+    comm_us = _sum_counters(counters_before, training.sparse.counters()).get("comm_us")
+    return _Timing(step_seconds, (first_step, training.step_index), comm_us, max(0.0, window_cpu - making_batches),
                    (start, end), window_cpu)
+
+
+@dataclass
+class _Counted:
+    #: the training steps counted, [first, end)
+    steps: tuple[int, int]
+    step_seconds: list[float]
+    counters: dict[str, int]
+
+
+def _counted_steps(training: _Training, report: "_Progress") -> _Counted:
+    """``run.steps`` steps right after the timed ones with every instrument on: the strategy's
+    counters over them (the record's ``counters``), and their step times, which less the timed
+    steps' are what the instruments cost (``metrics.instruments``). Every cell runs them, so that
+    every cell of a scenario trains the same batches."""
+    sparse, steps = training.sparse, training.run.counted_steps
+    training.prepare(steps)
+    sparse.set_counting("counted")
+    first_step, before = training.step_index, sparse.counters()
+    step_seconds = []
+    for k in range(steps):
+        report("count", k, steps)
+        step_seconds.append(training.timed_step()[0])
+    counters = _sum_counters(before, sparse.counters())
+    sparse.set_counting("off")
+    _check_finite(training.losses[-steps:], first_step)
+    return _Counted((first_step, training.step_index), step_seconds, counters)
 
 
 def _count_ops(training: _Training) -> OpCounter:
@@ -500,7 +533,7 @@ def _save_weights(training: _Training, path: Path | None) -> dict[str, Any]:
 # --- record -------------------------------------------------------------------------------------
 
 
-def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rate: float, ops: OpCounter,
+def _record(training: _Training, warmup: _WarmUp, timing: _Timing, counted: _Counted, generator_rate: float, ops: OpCounter,
             profile: dict[str, Any] | None, accuracy: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
     """The cell's measurements: this rank's, combined with the other ranks' where they differ."""
     run, env, device, sparse = training.run, training.env, training.device, training.sparse
@@ -514,7 +547,9 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
             "peak_rss_bytes": peak_rss_bytes(),
             **device_memory(device),
         },
-        "counters": timing.counters,
+        "counters": counted.counters,
+        # the projection's communication time: of the timed steps, as its step time is
+        **({} if timing.comm_us is None else {"timed_comm_us": timing.comm_us}),
         # the time of the steps the counters cover, on this rank (the projection subtracts them)
         "measured_seconds": sum(timing.step_seconds),
         "cpu_seconds": timing.cpu_seconds,
@@ -525,6 +560,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
     ranks = _gather_objects(this_rank, env, training.process_group)
     total = {k: sum(r["counters"].get(k, 0) for r in ranks) for k in ranks[0]["counters"]}
     measured_steps = run.steps * run.repeats
+    counted_steps = counted.steps[1] - counted.steps[0]
     data, global_batch = training.data, training.global_batch
     step_time, throughput = speed_figures(timing.step_seconds, run.steps, global_batch)
     own_cpu = sum(r["window_cpu_seconds"] for r in ranks)
@@ -564,12 +600,15 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, generator_rat
         "accuracy": accuracy,
         "counters": {
             "total": total,
-            "per_step": {k: v / measured_steps for k, v in total.items()},
+            "per_step": {k: v / counted_steps for k, v in total.items()},
+            "steps": list(counted.steps),
             **_derived_rates(total),
         },
+        "instruments": instrument_costs(sparse.instruments(), timing.steps, timing.step_seconds, counted.steps,
+                                        counted.step_seconds),
         "extra": _combine_extra([r["extra"] for r in ranks]),
-        **({"tiers": tiers} if (tiers := memory_tiers(total, measured_steps, training.row_bytes)) else {}),
-        **({"tiers_by_table": by_table} if (by_table := tiers_by_table(total, measured_steps, training.row_bytes)) else {}),
+        **({"tiers": tiers} if (tiers := memory_tiers(total, counted_steps, training.row_bytes)) else {}),
+        **({"tiers_by_table": by_table} if (by_table := tiers_by_table(total, counted_steps, training.row_bytes)) else {}),
         "per_rank": [{**r, **_derived_rates(r["counters"])} for r in ranks] if env.world_size > 1 else None,
         **weights,
     }

@@ -175,9 +175,10 @@ class RunConfig(_Strict):
         False, description="torch's deterministic algorithms: on CUDA, sums in a fixed order, so an exact strategy "
                            "trains bit for bit like the baseline; slower, for a correctness check, not a timing")
 
-    sparse_backward: Literal["auto", "padded", "unique"] = Field(
+    sparse_backward: Literal["auto", "padded", "padded_torch", "unique"] = Field(
         "auto", description="how strategies that update rows themselves sum a batch's row gradients: padded (a fixed "
-                            "shape, no host sync; on CUDA a kernel updates only the distinct rows), unique "
+                            "shape, no host sync; on CUDA a kernel updates only the distinct rows), padded_torch (the "
+                            "same shape, every entry updated by torch's scatters: the kernel's gain in one run), unique "
                             "(torch.unique: a host sync on CUDA) or auto (padded on CUDA, unique elsewhere)")
 
     row_precision: RowPrecision | list[RowPrecision] = Field(
@@ -246,10 +247,18 @@ class RunConfig(_Strict):
     def row_precisions(self) -> list[str]:
         return self.row_precision if isinstance(self.row_precision, list) else [self.row_precision]
 
+    @property
+    def counted_steps(self) -> int:
+        """The steps after the timed ones whose counters the record reports, every instrument on
+        (one repeat's length: embbench.runner._counted_steps)."""
+        return self.steps
+
     def training_batches_read(self, profile: bool = True) -> int:
         """How many training batches a cell reads: the longest warm-up, every measured step, the
-        untimed steps that count operators (and profile), and the batch the last step prefetches."""
-        return self.warmup_bound + self.repeats * self.steps + OPS_STEPS + (PROFILE_STEPS if profile else 0) + 1
+        counted steps, the untimed steps that count operators (and profile), and the batch the
+        last step prefetches."""
+        return (self.warmup_bound + self.repeats * self.steps + self.counted_steps + OPS_STEPS
+                + (PROFILE_STEPS if profile else 0) + 1)
 
 
 class StrategyEntry(_Strict):

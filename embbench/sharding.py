@@ -195,6 +195,12 @@ class TableWiseSharded(SparseModule):
     def empty_slots(self) -> int | None:
         return self.local.empty_slots()
 
+    def instruments(self) -> dict[str, str]:
+        return self.local.instruments()
+
+    def set_counting(self, mode) -> None:
+        self.local.set_counting(mode)
+
     def counters(self) -> dict[str, int]:
         comm_us = self._comm_seconds * 1e6 + sum(s.elapsed_time(e) * 1e3 for s, e in self._comm_events)
         return {**self.local.counters(), "bytes_comm": self._bytes_comm, "comm_us": int(comm_us)}

@@ -34,9 +34,9 @@ from embbench.optim import EmbeddingOptimizer
 from embbench.row_precision import ROW_PRECISIONS
 
 __all__ = [
-    "COUNTERS", "BuildContext", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
+    "COUNTERS", "BuildContext", "Counting", "MemoryFootprint", "NoParams", "RuntimeEnv", "Schedule", "ScheduleContext",
     "Semantics", "SparseModule", "Strategy", "StrategyParams", "Unsupported", "broken_strategies", "estimate_kwargs",
-    "get_strategy", "load_strategies", "parameter_type", "strategy_version",
+    "get_strategy", "is_all_in_hbm", "load_strategies", "parameter_type", "strategy_version",
 ]
 
 #: Counter names every strategy reports (cumulative since build; absent ones count as 0).
@@ -67,6 +67,12 @@ COUNTERS = {
     "host_plan_us": "microseconds the host spent planning batches (slot assignment, staging)",
     "host_wait_us": "microseconds the training thread waited for the strategy's background thread (planning it did not hide)",
 }
+
+#: Which of the harness's instruments run (:meth:`SparseModule.set_counting`): ``warmup`` those
+#: the warm-up's stopping rule reads (the miss rate), ``off`` none (the timed steps, and the steps
+#: that count operators or profile them), ``counted`` every one (the counted steps, whose counters
+#: the record reports).
+Counting = Literal["warmup", "off", "counted"]
 
 #: ``exact``: a strategy trains the same weights as the baseline step for step (max |Δw| is
 #: meaningful); ``reordered``: it changes the order of training samples (compare by accuracy).
@@ -160,7 +166,7 @@ class BuildContext:
             bf16, fp8; see :mod:`embbench.row_precision`); only ever one the strategy accepted
             (:meth:`Strategy.row_precision_reason`).
         seed: the scenario's seed (for a strategy's own random streams, e.g. stochastic rounding).
-        sparse_backward: ``run.sparse_backward`` (auto, padded, unique): how a store built from
+        sparse_backward: ``run.sparse_backward`` (auto, padded, padded_torch, unique): how a store built from
             :mod:`embbench.embedding` sums its row gradients; applied by :meth:`configure`.
         work_dir: a folder of this cell's own for files the strategy keeps (a row file), inside
             the run directory; the harness removes it when the cell ends, however it ends
@@ -183,8 +189,12 @@ class BuildContext:
 
     def configure(self, store) -> None:
         """Apply ``run.sparse_backward`` to an :class:`~embbench.embedding.RowStore` the
-        strategy built (auto leaves the store's own choice: padded on CUDA)."""
-        store.padded_aggregation = {"auto": None, "padded": True, "unique": False}[self.sparse_backward]
+        strategy built (auto leaves the store's own choice: padded on CUDA; padded_torch never
+        takes the update kernel)."""
+        store.padded_aggregation = {"auto": None, "padded": True, "padded_torch": True, "unique": False}[
+            self.sparse_backward]
+        if self.sparse_backward == "padded_torch":
+            store.update_kernel = False
 
 
 @dataclass
@@ -264,6 +274,17 @@ class SparseModule(torch.nn.Module, abc.ABC):
         """Cumulative counters; names from :data:`COUNTERS`."""
         return {}
 
+    def instruments(self) -> dict[str, str]:
+        """The harness's instruments in this module, name -> what it records: work a step does
+        only to be measured (counting per table, recording ids for a bound), which the runner
+        keeps out of the timed steps (:meth:`set_counting`). A strategy's own bookkeeping (what
+        its placement needs anyway) is none."""
+        return {}
+
+    def set_counting(self, mode: Counting) -> None:
+        """Which instruments run in the steps from now on (:data:`Counting`); a module is built
+        in ``warmup``. The runner calls it between steps, never inside one."""
+
     def empty_slots(self) -> int | None:
         """Device slots a cache has not filled yet (None: not a cache that says). A cache with
         empty slots loads without evicting, which its steady state does not: the warm-up goes
@@ -296,6 +317,10 @@ class Strategy(abc.ABC):
     #: The row precisions (``run.row_precision``) it can store rows in; the others are
     #: ``unsupported`` (never run in fp32 under another name).
     row_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+    #: Every row and its optimizer state in the compute device's memory ("all-in-HBM" on a GPU):
+    #: what to run when the tables fit, and so what a cache's speed is also held against
+    #: (:func:`embbench.columns.all_in_hbm_throughputs`: the fastest such cell of a run).
+    all_in_hbm: ClassVar[bool] = False
 
     def __init__(self, params: StrategyParams | None = None):
         self.params = params if params is not None else self.Params()
@@ -425,6 +450,15 @@ def strategy_version(name: str) -> str | None:
     for ep in entry_points(group="embbench.strategies", name=name):
         return f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else None
     return None
+
+
+def is_all_in_hbm(name: str) -> bool:
+    """Whether the strategy registered as ``name`` keeps every table in device memory
+    (:attr:`Strategy.all_in_hbm`); False for a name not installed here."""
+    try:
+        return get_strategy(name).all_in_hbm
+    except KeyError:
+        return False
 
 
 def get_strategy(name: str) -> type[Strategy]:

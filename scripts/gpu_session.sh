@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# A lent GPU's quarter-hour in one command (docs/gpu-matrix.md). On the GPU machine, from the
-# project root, with the staged packages copied to /tmp/dw (../shared/device/README.md):
-#     bash scripts/gpu_session.sh SECONDS_LEFT        # status's budget_left_s, minus the start
+# A lent GPU's quarter-hour in two device calls (docs/gpu-matrix.md). On the GPU machine, from
+# the project root, with the staged packages copied to /tmp/dw (../shared/device/README.md):
+#     bash scripts/gpu_session.sh SECONDS --call 1    # at most 600 s: the headlines, the CUDA tests
+#     bash scripts/gpu_session.sh SECONDS --call 2    # at once after it, on the warm machine
 # It installs (the one sm_90 part, /tmp/dw/p0; the three parts, /tmp/dw/p2, as the fallback),
-# then runs scripts/gpu_session.py: the CUDA tests, the Kaggle headline cells, then the
-# priority list, each result archived into $OUT/session.tgz at once, never starting a cell
-# whose estimate exceeds the seconds left; a ledger of seconds per phase ends it.
-#     bash scripts/gpu_session.sh --rehearse [SECONDS]   # the same on the CPU, tiny (default 100 s)
+# then runs scripts/gpu_session.py: the call's items of the plan in order, each within its
+# budget, each result archived into $OUT/session.tgz at once, never starting a cell whose
+# estimate exceeds what is left; a ledger of seconds per phase ends it ($OUT/ledger-call<N>.txt).
+#     bash scripts/gpu_session.sh --rehearse [SECONDS] --call all   # both calls on the CPU, tiny
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 started=$(date +%s)

@@ -80,7 +80,7 @@ def _tsv_scenario_file(tmp_path: Path, data: dict, strategies: list[dict]) -> Pa
 def test_a_criteo_file_runs_end_to_end_and_records_a_replayable_trace(tmp_path):
     from embbench.data.fake_criteo import write_fake_criteo
 
-    data = write_fake_criteo(tmp_path / "train.txt", 3000, seed=2)
+    data = write_fake_criteo(tmp_path / "train.txt", 3500, seed=2)  # 21 batches of 128 to train on
     cache = tmp_path / "cache"
     scenario = _tsv_scenario_file(tmp_path, {"source": "criteo_tsv", "path": str(data), "eval": 0.2, "min_count": 2},
                                   [{"name": "device"}, {"name": "cpu"}, {"name": "freqcache", "params": {"cache_ratio": 0.2}},

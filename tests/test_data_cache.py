@@ -225,7 +225,7 @@ def _stamps(cache: Path) -> dict:
 
 @pytest.mark.slow
 def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path):
-    source = write_fake_criteo(tmp_path / "train.txt", 2000, seed=3)
+    source = write_fake_criteo(tmp_path / "train.txt", 2700, seed=3)  # 31 batches of 64 to train on
     scenario = _scenario_file(tmp_path, source)
     prepared = _cli(tmp_path, "data", "prepare", str(scenario))
     assert prepared.returncode == 0, prepared.stderr
@@ -240,7 +240,7 @@ def test_data_prepare_fills_the_cache_a_run_with_other_steps_reads(tmp_path):
 
 @pytest.mark.slow
 def test_a_damaged_entry_without_its_source_stops_the_run_naming_it(tmp_path):
-    source = write_fake_criteo(tmp_path / "train.txt", 2000, seed=3)
+    source = write_fake_criteo(tmp_path / "train.txt", 2700, seed=3)  # 31 batches of 64 to train on
     scenario = _scenario_file(tmp_path, source)
     cache = tmp_path / "cache"
     assert _cli(tmp_path, "data", "prepare", str(scenario), "--data-cache", str(cache)).returncode == 0

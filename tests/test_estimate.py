@@ -59,7 +59,7 @@ def test_the_estimate_grows_with_steps_and_repeats(steps, more_steps, repeats, m
     (many,) = _times(raw, steps=steps + more_steps, repeats=repeats + more_repeats)
     assert many.seconds > few.seconds and many.build_s == few.build_s
     # every trained step costs a step and a batch, evaluation and the generator's check the rest
-    trained = 1 + repeats * steps + OPS_STEPS
+    trained = 1 + repeats * steps + steps + OPS_STEPS  # warm-up, timed, counted (one repeat), ops
     assert few.steps_s == pytest.approx(trained * (STEP_S + BATCH_S) + 1 * (STEP_S / 2 + BATCH_S) + 3 * BATCH_S)
 
 
@@ -113,7 +113,7 @@ def test_an_earlier_run_of_the_same_cell_and_shape_gives_the_estimate_and_is_nam
     run = write_run(tmp_path / "tiny-0123456789", [record])
     device, cpu = _times(raw, [run])
     run_cfg = scenario.run
-    trained = run_cfg.warmup_bound + run_cfg.repeats * run_cfg.steps + OPS_STEPS
+    trained = run_cfg.warmup_bound + run_cfg.repeats * run_cfg.steps + run_cfg.counted_steps + OPS_STEPS
     assert device.source == "run tiny-0123456789" and "recorded in" in device.detail and "2026-01-01" in device.detail
     assert device.seconds == pytest.approx(4 + 2 + trained * 0.6 + run_cfg.eval_batches * 0.35 + 0.3)
     assert cpu.source == "calibrated"  # no record of it

@@ -103,11 +103,10 @@ FAE = {"hot_ratio": 0.1, "profile_fraction": 0.5, "phase_batches": 3}
 
 def _schedule_of(scenario, params) -> tuple:
     """fae's own schedule for this scenario's run (computed by run_cell the same way)."""
-    from embbench.scenario import OPS_STEPS
     from embbench.stream import TrainingStream
 
     run = scenario.run
-    steps = run.warmup_bound + run.repeats * run.steps + OPS_STEPS + 1
+    steps = run.training_batches_read(profile=False)
     stream = TrainingStream(scenario.data_source(CPU.device), scenario.data.batch_size, 0, 1, num_batches=steps)
     strategy = FaeStrategy(FaeParams(**params))
     return strategy.schedule(stream.schedule_context(scenario.tables(), run.seed)), strategy._plan
@@ -124,7 +123,8 @@ def test_device_trained_on_faes_schedule_ends_with_faes_weights(tmp_path):
     c = metrics["counters"]["total"]
     assert metrics["schedule"] == "strategy"
     assert c["hot_batches"] > 0 and c["cold_batches"] > 0
-    assert c["hot_batches"] + c["cold_batches"] == metrics["measured_steps"]
+    first, end = metrics["counters"]["steps"]  # the counted steps
+    assert c["hot_batches"] + c["cold_batches"] == end - first
     assert c["rows_synced"] > 0 and c["rows_synced"] % len(plan.hot_rows) == 0
     extra = metrics["extra"]
     assert extra["hot_rows"] == len(plan.hot_rows) and 0 < extra["hot_sample_fraction"] < 1
@@ -135,9 +135,11 @@ def test_counters_follow_the_schedule_on_a_golden_run(tmp_path):
     raw = tiny_scenario(run={"warmup_steps": 0, "steps": 12, "repeats": 1})
     scenario, _ = parse_scenario(raw, "t")
     schedule, plan = _schedule_of(scenario, FAE)
-    tags = [s[HOT_TAG] for s in schedule.side][:12]
-    switches = sum(a != b for a, b in zip(tags, tags[1:]))  # the copies start equal: no sync before the first
     metrics = run_cell(scenario, Cell("fae", FAE), CPU)
+    first, end = metrics["counters"]["steps"]  # the counted steps, after the 12 timed ones
+    every = [s[HOT_TAG] for s in schedule.side]
+    tags = every[first:end]
+    switches = sum(every[i - 1] != every[i] for i in range(first, end))  # a sync where the kind changes
     c = metrics["counters"]["total"]
     assert (c["hot_batches"], c["cold_batches"]) == (tags.count(True), tags.count(False))
     assert switches >= 2 and c["rows_synced"] == switches * len(plan.hot_rows)

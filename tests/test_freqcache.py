@@ -33,13 +33,15 @@ def _context(tables, opt, batches, warmup=0) -> BuildContext:
                         train_batches=train_batches, warmup_steps=warmup)
 
 
-def _train(module, batches, prefetch: bool, lookahead: int = 0) -> list[torch.Tensor]:
+def _train(module, batches, prefetch: bool, lookahead: int = 0, counting: dict[int, str] | None = None) -> list[torch.Tensor]:
     """Train as the runner does: look ahead, forward, prefetch the next batch, backward (on the
-    batches' device)."""
+    batches' device); ``counting``: the instruments' mode set before the steps it names."""
     device = batches[0].values.device
     g = torch.Generator(device=device).manual_seed(7)
     outputs = []
     for i, features in enumerate(batches):
+        if i in (counting or {}):
+            module.set_counting(counting[i])
         if lookahead and i + 1 < len(batches):
             module.look_ahead(batches[i + 1 : i + 1 + lookahead])
         out = module(features)
@@ -506,9 +508,10 @@ def test_a_step_that_fails_to_compile_runs_eagerly_and_the_record_says_why(monke
 
 def test_the_belady_window_is_recorded_into_one_buffer_made_at_build():
     """The recorded stream lands in one buffer allocated when the cache is built (pinned on
-    CUDA): a timed step allocates nothing for it (a fresh pinned buffer a step cost ~2.8 ms of an
-    H100 step, issue 42 item 4). The window is the training batches after warm-up, and MIN is
-    computed on exactly those."""
+    CUDA): a step allocates nothing for it (a fresh pinned buffer a step cost ~2.8 ms of an
+    H100 step, issue 42 item 4). It is recorded in counted steps only (issue 47: never in a
+    timed one): the batches planned in them (each step plans the next batch: prefetch), and MIN
+    is computed on exactly those."""
     tables = [TableSpec("t0", 40, 4, 2, 1.0), TableSpec("t1", 9, 4, 1, 1.0)]
     g = torch.Generator().manual_seed(3)
     batches = [SparseFeatures(torch.cat([torch.randint(0, 40, (6,), generator=g), torch.randint(0, 9, (3,), generator=g)]),
@@ -517,13 +520,13 @@ def test_the_belady_window_is_recorded_into_one_buffer_made_at_build():
     cache = FreqCache(_context(tables, opt, batches, warmup=2), FreqCacheParams(cache_ratio=0.1, belady_steps=4))
     buffer = cache._recorder.buffer
     assert buffer.shape == (4, cache.max_ids)
-    _train(cache, batches, prefetch=True, lookahead=cache.lookahead)
+    _train(cache, batches, prefetch=True, lookahead=cache.lookahead, counting={0: "off", 2: "counted", 7: "off"})
     assert cache._recorder.buffer is buffer and len(cache._recorder.lengths) == 4
-    expected = [cache.space.global_rows(f) for f in batches[2:6]]
+    expected = [cache.space.global_rows(f) for f in batches[3:7]]  # planned in steps 2-5, the first 4
     for got, want in zip(cache._recorder.stream(), expected, strict=True):
         assert torch.equal(got, want)
     extra = cache.extra_metrics()
-    assert extra["belady_window"] == [2, 6]
+    assert extra["belady_window"] == [3, 7]
     assert (extra["belady_hit_rate"], extra["belady_unique_hit_rate"]) == belady_hit_rates(expected, cache.capacity,
                                                                                            prefilled=True)
 

@@ -178,7 +178,8 @@ def test_a_schedule_orders_the_batches_and_lookahead_sees_the_same_objects(hook_
     assert metrics["schedule"] == "strategy"
     seen = hook_plugins.SEEN
     forwards = [e for e in seen if e[0] == "forward"]
-    trained = metrics["warmup_steps_run"] + metrics["measured_steps"] + 2  # + the operator-counting steps
+    # + the counted steps (one repeat's length) and the operator-counting steps
+    trained = metrics["warmup_steps_run"] + metrics["measured_steps"] + scenario.run.counted_steps + 2
     assert [e[2] for e in forwards] == list(range(trained))
     # lookahead: the next three batches, then the same objects in prefetch and forward
     ahead = [e for e in seen if e[0] == "ahead"]
@@ -196,7 +197,7 @@ def test_device_trained_on_another_strategys_schedule_ends_with_its_weights(hook
     scenario, _ = parse_scenario(raw, "t")
     reversed_weights, _ = train_and_flush(raw, "reverser", tmp_path=tmp_path)
     plain_weights, _ = train_and_flush(raw, "device", tmp_path=tmp_path)
-    steps = scenario.run.warmup_bound + scenario.run.repeats * scenario.run.steps + 2 + 1
+    steps = scenario.run.training_batches_read(profile=False)
     n = steps * scenario.data.batch_size
     weights = tmp_path / "scheduled.pt"
     run_cell(scenario, Cell("device"), CPU, weights, schedule=Schedule(torch.arange(n - 1, -1, -1)))
@@ -295,7 +296,7 @@ def test_every_record_counts_operators_and_can_carry_a_profile(tmp_path):
     assert trace["traceEvents"]
     assert any("PooledLookup" in row["op"] for row in device["profile"]["top_host"])
     seen = [p for s, p in phases if s == "device"]
-    order = ["build", "warmup", "measure", "eval"]
+    order = ["build", "warmup", "measure", "count", "eval"]
     assert seen[-1] == "eval" and seen == sorted(seen, key=order.index)
 
 
@@ -309,7 +310,8 @@ def test_every_cell_is_evaluated_after_the_same_batches_whatever_its_warm_up(tmp
     scenario, cells = parse_scenario(raw, "t")
     device, cache = (r.metrics for r in run_cells(scenario, "t", cells, tmp_path))
     assert device["warmup_steps_run"] < cache["warmup_steps_run"]
-    assert device["trained_steps"] == cache["trained_steps"] == 40 + device["measured_steps"] + OPS_STEPS
+    assert device["trained_steps"] == cache["trained_steps"] == (40 + device["measured_steps"] + scenario.run.counted_steps
+                                                                 + OPS_STEPS)
     assert cache["train_loss_last10_diff_vs_baseline"] < 1e-6 and cache["logloss_diff_vs_baseline"] < 1e-6
     assert cache["max_weight_diff_vs_baseline"] < 1e-6
 

@@ -159,9 +159,9 @@ def test_prefetch_pipeline_drives_the_tbe_as_torchrec_does(monkeypatch):
     log, metrics, module = _run_mini(monkeypatch)
     trained = [e[1] for e in log if e[0] == "forward" and e[4]]
     prefetched = [e[1] for e in log if e[0] == "prefetch"]
-    # 1 warm-up + 2 x 3 measured + 2 operator-counting steps; every step prefetched the next
-    # batch once, and the last one (never trained) was drained before evaluation
-    assert len(trained) == 9 and prefetched == trained + [prefetched[-1]] and prefetched[-1] not in trained
+    # 1 warm-up + 2 x 3 measured + 3 counted + 2 operator-counting steps; every step prefetched
+    # the next batch once, and the last one (never trained) was drained before evaluation
+    assert len(trained) == 12 and prefetched == trained + [prefetched[-1]] and prefetched[-1] not in trained
     for event in log:
         if event[0] == "forward" and event[4]:
             assert event[2] is False, "a training forward prefetched again"
@@ -176,8 +176,9 @@ def test_prefetch_pipeline_drives_the_tbe_as_torchrec_does(monkeypatch):
     evaluation = [e for e in log if e[0] == "forward" and not e[4] and e[1] != prefetched[-1]]
     assert len(evaluation) == 2 and all(e[2] and e[3] for e in evaluation)  # fbgemm's own prefetch in forward
 
-    # The counters: per prefetched batch, from cache-state snapshots around each prefetch.
-    # The measured steps (2..7) prefetched batches 2..7 (0 and 1 before: fill, and step 0).
+    # The counters: per prefetched batch, from cache-state snapshots around each prefetch, in
+    # the counted steps only (7..9, after the timed 1..6), which prefetched batches 8..10 (0
+    # before step 0, then step k prefetched k + 1): the timed steps' prefetches are not counted.
     tbe = module.tbe
     state = torch.full_like(tbe.lxu_cache_state, -1)
     expected = {f: 0 for f in CACHE_FIELDS}
@@ -186,7 +187,7 @@ def test_prefetch_pipeline_drives_the_tbe_as_torchrec_does(monkeypatch):
         before = state.clone()
         for row in dict.fromkeys(linear):
             state[row % state.numel()] = row
-        if 2 <= index <= 7:
+        if 8 <= index <= 10:
             resident = set(before.tolist())
             expected["accesses"] += len(linear)
             expected["unique_accesses"] += len(set(linear))

@@ -134,7 +134,7 @@ def _tsv_scenario(path: Path, **run) -> dict:
 
 def test_a_criteo_file_trains_every_placement_with_an_auc(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    path = write_fake_criteo(tmp_path / "train.txt", 1200, seed=1)
+    path = write_fake_criteo(tmp_path / "train.txt", 1500, seed=1)  # 16 batches of 64 to train on
     raw = _tsv_scenario(path)
     raw["data"] = {k: v for k, v in raw["data"].items() if k not in ("preset", "scale")}
     flushed, metrics = train_and_flush(raw, "device", tmp_path=tmp_path)
@@ -201,7 +201,7 @@ def test_a_bad_trace_is_named(tmp_path):
 def test_a_trace_scenario_trains(tmp_path):
     tables = make_tables("mlperf_dcnv2", 8, scale=1e-4)
     out = tmp_path / "t.npz"
-    record_trace(SyntheticCriteo(tables, 7), [t.num_rows for t in tables], 64, 13, 2, out)
+    record_trace(SyntheticCriteo(tables, 7), [t.num_rows for t in tables], 64, 16, 2, out)  # the batches a run reads
     raw = tiny_scenario(data={"source": "trace", "path": str(out), "embedding_dim": 8, "batch_size": 64})
     raw["data"] = {k: v for k, v in raw["data"].items() if k not in ("preset", "scale")}
     scenario, _ = parse_scenario(raw)

@@ -259,3 +259,22 @@ def test_counting_the_work_makes_no_tensor_from_host_numbers_in_a_step(padded, m
     monkeypatch.undo()
     assert store.work_counters() == {"update_entries": 6 if padded else 3, "update_entries_max_per_row": 3 if padded else 1,
                                      "ids_max_per_row": 3}
+
+
+@pytest.mark.parametrize("mode,padded,kernel", [("auto", None, True), ("padded", True, True),
+                                                 ("padded_torch", True, False), ("unique", False, True)])
+def test_padded_torch_keeps_the_fixed_shape_and_never_takes_the_update_kernel(mode, padded, kernel, monkeypatch):
+    """``padded`` takes the Triton update wherever it can run (CUDA: the same as ``auto``);
+    ``padded_torch`` updates every padded entry through torch, so one run measures the kernel's
+    gain (issue 47, item 6). Here CUDA's answer is stood in for (triton_problem says None)."""
+    from embbench import embedding
+    from embbench.strategy import BuildContext, RuntimeEnv
+
+    monkeypatch.setattr(embedding, "triton_problem", lambda device: None)
+    store = RowStore(torch.zeros(4, 2), torch.zeros(4, 1), EmbeddingOptimizer())
+    ctx = BuildContext(tables=[TableSpec("t", 4, 2, 1, 1.0)], env=RuntimeEnv(CPU), optimizer=EmbeddingOptimizer(),
+                       local_batch_size=1, init_weights=None, train_batches=None, sparse_backward=mode)
+    ctx.configure(store)
+    assert store.padded_aggregation is padded
+    assert store._kernel_updates(torch.device("cuda")) is kernel
+    assert parse_scenario(tiny_scenario(run={"sparse_backward": mode}), "test")[0].run.sparse_backward == mode

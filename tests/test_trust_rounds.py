@@ -274,7 +274,7 @@ def test_data_prepare_prints_the_run_that_reads_its_cache(tmp_path, capsys, monk
     from embbench.data.fake_criteo import write_fake_criteo
 
     monkeypatch.setenv("EMBBENCH_DATA_CACHE", "")  # prepare sets it; the monkeypatch restores it
-    write_fake_criteo(tmp_path / "day 0", 1200)
+    write_fake_criteo(tmp_path / "day 0", 1500)  # the run reads 16 batches of 64 for training
     raw = tiny_scenario(data={"source": "criteo_tsv", "path": str(tmp_path / "day 0"), "eval": 0.25, "embedding_dim": 8,
                               "batch_size": 64, "preset": "criteo_kaggle", "scale": 1.0})
     scenario, cache = _write(tmp_path, raw, "my s.yaml"), tmp_path / "a cache"

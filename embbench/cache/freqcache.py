@@ -47,7 +47,7 @@ from embbench.data.batch import SparseFeatures
 from embbench.data.weights import fill_in_parallel
 from embbench.disk.layout import PageLayout, RowOrder
 from embbench.disk.probe import measure_drive
-from embbench.embedding import RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
+from embbench.embedding import WORK_INSTRUMENT, RoundedRowStore, RowSpace, RowStore, per_sample, pooled_lookup
 from embbench.metrics import belady_hit_rates
 from embbench.optim import EmbeddingOptimizer
 from embbench.row_precision import ROW_PRECISIONS, row_type
@@ -68,7 +68,8 @@ class FreqCacheParams(StrategyParams):
     decay_every: int = Field(256, ge=0, description="halve the frequency counts every N training batches (0: never)")
     profile_batches: int = Field(32, ge=0, description="training batches profiled for frequencies and the preload")
     prefetch: bool = Field(True, description="plan and load the next batch's rows while this one computes")
-    belady_steps: int = Field(64, ge=0, description="training steps recorded for the Belady bound (0: off)")
+    belady_steps: int = Field(64, ge=0, description="training batches recorded for the Belady bound, in the counted steps "
+                                                     "(never the timed ones; 0: off)")
     cuda_graph: bool = Field(True, description="on CUDA, replay the planner's steady-state step from a captured CUDA graph")
     compile: bool | Literal["auto"] = Field(
         "auto", description="compile the steady-state device steps (torch.compile: fused kernels instead of one kernel per "
@@ -251,9 +252,11 @@ class FreqCache(SparseModule):
         self._table_names = [t.name for t in ctx.tables]
         self._table_starts = self.space.starts.to(self.device)
         self._table_counts = torch.zeros(len(ctx.tables), 3, dtype=torch.int64, device=self.device)
-        # The Belady window: the first belady_steps training batches after warm-up.
-        self._warmup_steps = ctx.warmup_steps
-        self._observed = 0
+        # The Belady window: the first belady_steps training batches planned in counted steps
+        # (set_counting: the harness's instrument, never in a timed step).
+        self._counting = False
+        self._observed = 0  # training batches planned so far
+        self._window_first: int | None = None  # the first recorded one
         self._recorder = _StreamRecorder(params.belady_steps, self.max_ids, self.device)
         self._window_start: dict[str, int] | None = None
         self._window_end: Tensor | None = None
@@ -329,7 +332,7 @@ class FreqCache(SparseModule):
             out = (out[0].clone(), *out[1:])
             self._check_first_replay(out[0], rows)
         plan = DevicePlan(pid, *out, sink=self.planner.sink, pad_row=self.planner.pad_row)
-        if train:
+        if train and self._counting:  # an instrument: counted steps only
             self._count_tables(rows, plan)
         if closes:
             self._window_end = self.planner.counts.clone()
@@ -340,20 +343,21 @@ class FreqCache(SparseModule):
         return plan.slots
 
     def _count_tables(self, rows: Tensor, plan: DevicePlan) -> None:
-        """Per table: the batch's distinct rows, the rows its plan loads and writes back (tensor
-        operations of fixed shapes: nothing is read on the host)."""
+        """Per table: the batch's distinct rows, the rows its plan loads and writes back; read from
+        sorted rows at the tables' bounds (no scatter onto a few cells, nothing read on the host)."""
+        bounds = torch.cat([self._table_starts, self._table_starts.new_tensor([self.num_rows])])  # pads lie past the end
+
+        def per_table(ordered: Tensor, weight: Tensor | None = None) -> Tensor:
+            at = torch.searchsorted(ordered, bounds)
+            if weight is None:
+                return at.diff()
+            return torch.cat([weight.new_zeros(1), weight.cumsum(0)])[at].diff()
+
         ordered = rows.sort().values
         first = torch.ones_like(ordered, dtype=torch.int64)
         first[1:] = ordered[1:] != ordered[:-1]
-        pad = self.planner.pad_row
-
-        def add(column: int, of: Tensor, weight: Tensor) -> None:
-            at = (torch.searchsorted(self._table_starts, of.clamp(max=self.num_rows - 1), right=True) - 1) * 3 + column
-            self._table_counts.view(-1).index_add_(0, at, weight)
-
-        add(0, ordered, first)
-        add(1, plan.load_rows, (plan.load_rows < pad).long())
-        add(2, plan.write_back_rows, (plan.write_back_rows < pad).long())
+        self._table_counts += torch.stack([per_table(ordered, first), per_table(plan.load_rows.sort().values),
+                                           per_table(plan.write_back_rows.sort().values)], dim=1)
 
     def table_counters(self) -> dict[str, int]:
         """``table.<name>.<counter>`` for each table: its share of the tier counters."""
@@ -620,18 +624,33 @@ class FreqCache(SparseModule):
         self._join_side()
 
     def _observe(self, rows: Tensor) -> bool:
-        """A training batch, about to be planned: the recorded stream for the Belady bound and
-        the counters at its window's start (copies, never a read on the host). Returns whether
-        this batch closes the window."""
-        step = self._observed
+        """A training batch, about to be planned: in counted steps, the recorded stream for the
+        Belady bound and the counters at its window's start (copies, never a read on the host).
+        Returns whether this batch closes the window."""
+        batch = self._observed
         self._observed += 1
-        start, stop = self._warmup_steps, self._warmup_steps + self.params.belady_steps
-        if not start <= step < stop:
+        recorded = len(self._recorder.lengths)
+        if not self._counting or recorded >= self.params.belady_steps:
             return False
         self._recorder.record(rows)
-        if step == start:
-            self._window_start = self.planner.counts.clone()
-        return step == stop - 1
+        if recorded == 0:
+            self._window_start, self._window_first = self.planner.counts.clone(), batch
+        return recorded + 1 == self.params.belady_steps
+
+    def instruments(self) -> dict[str, str]:
+        belady = {"belady_stream": "each planned training batch's rows copied to the host, for Belady's MIN "
+                                   f"(the first {self.params.belady_steps} batches planned in counted steps)"}
+        tables = {"tiers_by_table": "each training batch's distinct, loaded and written-back rows per table "
+                                    "(metrics.tiers_by_table)"}
+        return {**WORK_INSTRUMENT, **(belady if self.params.belady_steps else {}), **tables}
+
+    def set_counting(self, mode) -> None:
+        self.store.counting = mode != "off"
+        counting = mode == "counted"
+        if self._counting and not counting and self._window_start is not None and self._window_end is None:
+            self._join_side()
+            self._window_end = self.planner.counts.clone()  # the window ends with the counted steps
+        self._counting = counting
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -719,7 +738,7 @@ class FreqCache(SparseModule):
             window_hit_rate=window["hits"] / max(1, window["accesses"]),
             window_unique_hit_rate=1 - window["unique_misses"] / max(1, window["unique_accesses"]),
             window_accesses=window["accesses"],
-            belady_window=[self._warmup_steps, self._warmup_steps + len(stream)],
+            belady_window=[self._window_first, self._window_first + len(stream)],  # training batches
         )
         return out
 

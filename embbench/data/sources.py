@@ -136,7 +136,8 @@ def check_rows(data: "DataConfig", run: "RunConfig", rows: dict[Stream, int],
     if train and have * data.epochs < need:
         epochs = -(-need // have)
         what = (f"{train} batches of {data.batch_size}" if batches is not None else
-                f"warm-up, {run.steps} steps x {run.repeats} repeats, a few untimed steps and one prefetched batch: "
+                f"warm-up, {run.steps} steps x {run.repeats} repeats, {run.counted_steps} counted steps, a few untimed "
+                f"steps and one prefetched batch: "
                 f"{train} batches of {data.batch_size}")
         raise DataSizeError(f"data.path {data.path}: the train stream has {have:,} rows; {reader} needs {need:,} "
                             f"({what}). Set data.epochs: {epochs} to read it {epochs} times, or ask for fewer steps")
