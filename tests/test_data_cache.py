@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -120,6 +121,22 @@ def test_any_damaged_file_of_an_entry_is_rebuilt_or_refused_by_name(pristine, da
         for got, want in zip(_contents(ds), expected):
             np.testing.assert_array_equal(got, want)
         assert _prepare(source, cache)[1] == ""  # rebuilt once, then intact
+
+
+def test_a_changed_hash_in_the_manifest_names_the_manifest_as_well_as_the_file(pristine, tmp_path):
+    """The manifest has no checksum of its own: a flipped digit in a file's recorded hash cannot be
+    told from a change to the file, so the note names both (hypothesis found it naming only the file)."""
+    source, clean = pristine
+    cache = tmp_path / "cache"
+    shutil.copytree(clean, cache)
+    manifest = next(cache.glob("files/*/manifest.json"))
+    listed = json.loads(manifest.read_text())
+    digest = listed["files"]["labels.npy"]["xxh3_128"]
+    listed["files"]["labels.npy"]["xxh3_128"] = ("0" if digest[0] != "0" else "1") + digest[1:]
+    manifest.write_text(json.dumps(listed))
+    said = _prepare(source, cache)[1]
+    assert "labels.npy does not match its content hash in manifest.json" in said and "rebuilding it" in said
+    assert _prepare(source, cache)[1] == ""
 
 
 def test_the_cheap_checks_of_a_large_entry_and_what_only_hashing_finds(pristine, tmp_path, monkeypatch):

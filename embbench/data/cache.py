@@ -188,7 +188,8 @@ def check_entry(directory: Path, layout: Callable[[dict], dict[str, tuple[np.dty
     if full:
         for name, info in files.items():
             if digest(directory / name) != info["xxh3_128"]:
-                raise Damaged(f"{name} does not match its content hash (changed after it was written)")
+                raise Damaged(f"{name} does not match its content hash in {MANIFEST} (one of the two changed after "
+                              "they were written)")
     return meta
 
 
