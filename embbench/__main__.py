@@ -1,7 +1,5 @@
 """``python -m embbench``: the ``embbench`` command."""
 
-import sys
+from embbench.cli import exit_process, main
 
-from embbench.cli import main
-
-sys.exit(main())
+exit_process(main())

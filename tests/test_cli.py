@@ -1,6 +1,7 @@
 """The command line, end to end, as a user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,18 @@ def test_a_ctrl_c_during_the_interpreter_s_exit_prints_no_traceback(tmp_path):
                           cwd=Path(__file__).parents[1])
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
     assert done.returncode == 130
+
+
+@pytest.mark.slow  # interpreters importing embbench
+@pytest.mark.parametrize("torchrun", [False, True], ids=["plain", "torchrun-rank"])
+def test_the_process_exits_with_the_command_s_code_after_its_exit_functions(torchrun):
+    """`python -m embbench` ends through exit_process: in a torchrun rank the interpreter's
+    teardown is skipped (torch's C++ threads aborted a rank there), never Python's exit
+    functions, the flushed output or the code."""
+    script = ("import atexit, sys\nfrom embbench.cli import exit_process\n"
+              "atexit.register(lambda: print('exit functions ran'))\nprint('output', end='')\nexit_process(3)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if torchrun:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "outputexit functions ran\n", (proc.stdout, proc.stderr)

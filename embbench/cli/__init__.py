@@ -56,6 +56,22 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, _exit_now)
 
 
+def exit_process(code: int) -> None:
+    """End this process with ``code`` (``python -m embbench``). In a torchrun rank, once Python's
+    exit functions have run (finalizers, flushed streams), the interpreter's teardown is skipped:
+    torch's C++ threads (the rendezvous store's, gloo's) were seen aborting a rank there
+    ("terminate called without an active exception", SIGABRT) after every record was written,
+    which failed the whole job."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _exit_now(signum, frame):
     os._exit(130)  # no traceback from inside the interpreter's exit (threads joined, atexit handlers)
 
