@@ -635,3 +635,21 @@ def test_an_announcement_s_bookkeeping_runs_off_the_caller_s_thread(tmp_path, mo
             rows.release(number)
     finally:
         rows.close()
+
+
+def test_the_per_table_counts_are_off_while_the_store_is_not_counting(tmp_path):
+    """Per-table counts are an instrument (FreqCache.set_counting switches them): off, a gather
+    and a scatter count nothing per table; on, they count every row."""
+    rows = FileRows(tmp_path / "t.rows", 4000, 10, torch.float32, dram_ratio=1.0, batch_blocks=40,
+                    table_starts=np.array([0, 2000]))
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 10))
+        batch = np.array([1, 2, 2500, 3999])
+        rows.counting = False
+        rows.scatter(batch, rows.gather(batch))
+        assert rows.table_counts.sum() == 0
+        rows.counting = True
+        rows.scatter(batch, rows.gather(batch))
+        assert rows.table_counts[:, 0].tolist() == [2, 2] and rows.table_counts[:, 2].tolist() == [2, 2]
+    finally:
+        rows.close()

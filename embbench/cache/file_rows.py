@@ -139,6 +139,7 @@ class FileRows:
         self.table_starts = np.zeros(1, np.int64) if table_starts is None else np.asarray(table_starts, np.int64)
         # per table: dram_loads, dram_load_misses, dram_write_backs, dram_write_misses
         self.table_counts = np.zeros((len(self.table_starts), 4), np.int64)
+        self.counting = True  # the per-table counts, an instrument: off in timed steps (FreqCache.set_counting)
         self.order = order or RowOrder(rows)
         self.row_bytes = width * torch.empty(0, dtype=dtype).element_size()
         self.layout = layout = PageLayout(rows, self.row_bytes)
@@ -300,14 +301,15 @@ class FileRows:
             return self._gather(rows, number)
 
     def _gather(self, rows: np.ndarray, number: int | None) -> Tensor:
-        tables = self._tables_of(rows)
+        tables = self._tables_of(rows) if self.counting else None
         rows = self.order.place(rows)  # (from here on, rows are places)
         out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
         for part in self._parts(rows):  # more blocks than host memory has room for: a part at a time
             slots, within, missed = self._resident(rows[part], number)
             self.counts["dram_loads"] += len(part)
             self.counts["dram_load_misses"] += int(missed.sum())
-            self._count_tables(tables[part], 0, missed)
+            if tables is not None:
+                self._count_tables(tables[part], 0, missed)
             out[torch.from_numpy(part)] = self._rows[torch.from_numpy(slots), torch.from_numpy(within)]
         return out.view(self.dtype)
 
@@ -327,13 +329,14 @@ class FileRows:
         """Write packed rows (distinct). Rows whose block host memory holds are written there
         (the file gets them when the block is evicted); the others are patched into the file by
         a background job (read, patch, write): a write-back never waits for a read."""
-        tables = self._tables_of(rows)
+        tables = self._tables_of(rows) if self.counting else None
         rows = self.order.place(rows)  # (from here on, rows are places)
         values = values.contiguous().view(torch.uint8).reshape(len(rows), self.row_bytes)
         held = self.block_slot[rows // self.rows_per_block] >= 0
         self.counts["dram_write_backs"] += len(rows)
         self.counts["dram_write_misses"] += int((~held).sum())
-        self._count_tables(tables, 2, ~held)
+        if tables is not None:
+            self._count_tables(tables, 2, ~held)
         if not held.all():
             self._submit_patch(rows[~held], values[torch.from_numpy(~held)].clone())
         slots, within, _ = self._resident(rows[held], None)

@@ -651,6 +651,8 @@ class FreqCache(SparseModule):
             self._join_side()
             self._window_end = self.planner.counts.clone()  # the window ends with the counted steps
         self._counting = counting
+        if self.file_rows is not None:
+            self.file_rows.counting = counting
 
     # -- reporting -----------------------------------------------------------------------------
 
