@@ -2,6 +2,9 @@
 
 A run directory holds one ``<cell>.json`` per cell, written atomically as soon as the cell
 ends, so an interrupted run keeps what finished. Records carry a schema version.
+
+Longer than 600 lines because: the record's schema is one tree of TypedDicts that every command
+reads (its fields, bounds and validators side by side), beside the store that writes and reads it.
 """
 
 from __future__ import annotations
@@ -238,6 +241,7 @@ class Tier(TypedDict):
     pages_written_per_step: NotRequired[NonNegative | None]
     ios_per_step: NotRequired[NonNegative | None]
     pages_read_on_demand_per_step: NotRequired[NonNegative | None]
+    pages_read_for_writes_per_step: NotRequired[NonNegative | None]
     read_amplification: NotRequired[NonNegative | None]
     stall_seconds_per_step: NotRequired[NonNegative | None]
     reads_per_second: NotRequired[NonNegative | None]
@@ -248,6 +252,9 @@ def _one_of_each(tiers: list[dict] | None) -> list[dict] | None:
     if len(set(names)) != len(names):
         raise PydanticCustomError("tiers", "a tier listed twice: {names}", {"names": ", ".join(names)})
     return tiers
+
+
+Tiers = Annotated[list[Tier], Field(min_length=1), AfterValidator(_one_of_each)]
 
 
 @_open
@@ -301,7 +308,8 @@ class Metrics(TypedDict):
     #: max and mean |Δw| from the same cell in fp32, over the rows that cell trained
     weight_diff_vs_fp32: NotRequired[WeightDistance]
     weights_not_compared_fp32: NotRequired[str]  # why weight_diff_vs_fp32 is absent
-    tiers: NotRequired[Annotated[list[Tier], Field(min_length=1), AfterValidator(_one_of_each)]]
+    tiers: NotRequired[Tiers]
+    tiers_by_table: NotRequired[dict[str, Tiers]]  # each table's (freqcache), checked as the whole's
 
 
 @_open

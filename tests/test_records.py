@@ -394,3 +394,15 @@ def test_a_damaged_tiers_section_is_named_when_the_record_is_read(tmp_path, caps
         for argv in (["show", run], ["compare", base, run], ["report", run, "--out", tmp_path / "r.html"]):
             code, out, err = _cli(capsys, *argv)
             assert "Traceback" not in err and f"{target}: {key}" in _words(err + out), argv
+
+
+def test_each_table_s_tiers_are_checked_as_the_whole_s(tmp_path):
+    """metrics.tiers_by_table (freqcache's per-table tiers) is held to the tiers' schema: a
+    negative hit rate in one table's tier is refused by name."""
+    record = make_record("device")
+    tier = {"tier": "hbm", "hit_rate": 0.5, "hit_rate_of_reaching": 0.5, "reaching_per_step": 10.0}
+    record.metrics["tiers_by_table"] = {"t0": [tier]}
+    assert read_record(write_record(tmp_path, "device@w1", record)).metrics["tiers_by_table"]["t0"][0]["hit_rate"] == 0.5
+    record.metrics["tiers_by_table"]["t0"][0]["hit_rate"] = -0.5
+    with pytest.raises(RecordError, match=r"tiers_by_table\.t0\.0\.hit_rate"):
+        write_record(tmp_path / "b", "device@w1", record)
