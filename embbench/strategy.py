@@ -64,6 +64,8 @@ COUNTERS = {
     "hot_batches": "training batches whose every id was in the strategy's hot set",
     "cold_batches": "training batches with at least one id outside the hot set",
     "pipeline_stalls": "times a step waited for the strategy's own pipeline (planning or copies not done)",
+    "host_step_us": "microseconds the training thread spent in the strategy's calls of its steps (on CUDA its "
+                    "host work and waits, not the device's; on a CPU the work itself)",
     "host_plan_us": "microseconds the host spent planning batches (slot assignment, staging)",
     "host_wait_us": "microseconds the training thread waited for the strategy's background thread (planning it did not hide)",
 }

@@ -43,10 +43,10 @@ def _batches(tables, steps, batch, seed, hot_share=0.5):
     return out
 
 
-def _pair(tables, batches, opt, folder, precision="fp32", **file_params):
+def _pair(tables, batches, opt, folder, precision="fp32", cache_ratio=0.01, **file_params):
     ctx = _context(tables, opt, batches)
     ctx.row_precision = precision
-    common = dict(cache_ratio=0.01, lookahead=3, belady_steps=0)
+    common = dict(cache_ratio=cache_ratio, lookahead=3, belady_steps=0)
     memory = FreqCache(ctx, FreqCacheParams(**common))
     file_params.setdefault("dram_ratio", 1.0)
     file_params.setdefault("drive_probe_s", 0)

@@ -52,7 +52,7 @@ from embbench.disk.layout import PAGE, PageLayout, RowOrder
 from embbench.disk.pagefile import PageFile, Transfer, aligned_pages
 from embbench.disk.reader import Engine, get_reader
 
-__all__ = ["FileRows", "STORE_COUNTERS", "host_memory_problem"]
+__all__ = ["FileRows", "STORE_COUNTERS", "host_memory_problem", "host_view_on"]
 
 #: The counters a file store adds to freqcache's (cumulative; nanoseconds as integers).
 STORE_COUNTERS = ("dram_loads", "dram_load_misses", "dram_write_backs", "dram_write_misses", "nvme_pages_read",
@@ -180,6 +180,9 @@ class FileRows:
         # be issued many batches before: the step that uses them is the one they serve)
         self._issued: dict[int, list[tuple[int, int]]] = {}
         self.counts = dict.fromkeys(STORE_COUNTERS, 0)
+        # blocks whose slot changed since the device's block map was last told (FileMoves)
+        self._changed: set[int] = set()
+        self._registered = None  # the buffer's address while CUDA maps it (device_slots)
 
     # -- what the caller sees --------------------------------------------------------------------
 
@@ -245,6 +248,10 @@ class FileRows:
         rows = np.array(rows, dtype=np.int64)  # (a copy: the caller may reuse its array)
         self._announcing.append((number, self._books.submit(self._announced, number, rows)))
 
+    def settle(self) -> None:
+        """Wait for every announcement's (and release's) work on the bookkeeping thread."""
+        self._settle(None)
+
     def _settle(self, upto: int | None) -> None:
         """(On the caller's thread.) Wait for the announcements of batches up to ``upto`` (all:
         None), re-raising their errors."""
@@ -272,12 +279,89 @@ class FileRows:
         self._queued.insert(at, (number, blocks))
         self._issue()
 
-    def release(self, number: int) -> None:
-        """Batch ``number``'s rows have moved: its blocks may be evicted again (after its
-        announcements, and those of the batches before it)."""
+    def release(self, number: int, moved: "torch.cuda.Event | None" = None, later: bool = False) -> None:
+        """Batch ``number``'s rows have moved (on the device once ``moved`` has happened): its
+        blocks may be evicted again (after its announcements, and those of the batches before
+        it). ``later``: the bookkeeping thread does it (after ``moved``), the caller returns at once."""
+        if later:
+            self._announcing.append((number, self._books.submit(self._released, number, moved)))
+            return
         self._settle(number)
         with self._lock:
             self._release(number)
+
+    def _released(self, number: int, moved) -> None:
+        if moved is not None:
+            moved.synchronize()  # (on the bookkeeping thread: the device's moves out of the slots are done)
+        with self._lock:
+            self._release(number)
+
+    # -- the device's side of the moves (embbench.cache.file_moves) --------------------------------
+
+    def announce_from_device(self, number: int, rows: Tensor, copied: "torch.cuda.Event | None") -> None:
+        """As :meth:`announce`, with the batch's rows in a host tensor that the device fills
+        (``-1``: no row; fixed size), ready once ``copied`` has happened: the bookkeeping
+        thread waits for it, drops the padding and finds the blocks."""
+        self._announcing.append((number, self._books.submit(self._announced_from_device, number, rows, copied)))
+
+    def _announced_from_device(self, number: int, rows: Tensor, copied) -> None:
+        if copied is not None:
+            copied.synchronize()
+        rows = rows.numpy()
+        self._announced(number, rows[rows >= 0])
+
+    def ready_for(self, number: int) -> tuple[np.ndarray, np.ndarray]:
+        """(Before batch ``number``'s rows move on the device.) Wait for its announcements and
+        reads (a stall where they have not arrived); returns the blocks whose slot changed since
+        the last call and their slots (-1: gone), for the device's block map."""
+        self._settle(number)
+        with self._lock:
+            self._issue(upto=number)
+            self._wait_for(number)
+            blocks = np.fromiter(self._changed, np.int64, len(self._changed))
+            self._changed.clear()
+            return blocks, self.block_slot[blocks]
+
+    def after_device(self, work: Callable[[], None], done: "torch.cuda.Event | None") -> Future:
+        """Run ``work`` on the bookkeeping thread, in order with the announcements, once the
+        device has reached ``done`` (the device's write-backs: :class:`FileMoves`)."""
+        def run():
+            if done is not None:
+                done.synchronize()
+            work()
+
+        return self._books.submit(run)  # (the caller waits for it: not an announcement)
+
+    @_locked(False)
+    def count_loads(self, rows: np.ndarray, number: int) -> None:
+        """(Counted steps: an instrument.) The rows batch ``number``'s moves loaded on the device
+        from host memory, and those its announcement read from the drive (host memory's misses);
+        each was announced, so its block is pinned and holds it."""
+        places = self.order.place(rows)
+        slots = self.block_slot[places // self.rows_per_block]
+        if (slots < 0).any():
+            raise RuntimeError(f"{self.path}: batch {number} loaded rows no announcement brought into host memory "
+                               f"(rows {rows[slots < 0][:5].tolist()}): the device read a block that is not there")
+        missed = self.read_for[slots] == number
+        self.counts["dram_loads"] += len(rows)
+        self.counts["dram_load_misses"] += int(missed.sum())
+        if self.counting:
+            self._count_tables(self._tables_of(rows), 0, missed)
+
+    def device_slots(self, device: torch.device) -> Tensor:
+        """Host memory's slots as int32 words that ``device`` addresses (``[slots, block
+        words]``): on CUDA the buffer registered with the driver (mapped, so the GPU's loads
+        read it over the bus) and seen as a CUDA tensor; elsewhere the buffer itself."""
+        flat = torch.from_numpy(self.buffer).view(-1).view(torch.int32)
+        if device.type != "cuda":
+            return flat.view(self.capacity, -1)
+        address, size = self.buffer.ctypes.data, self.buffer.nbytes
+        if self._registered is None:
+            error = torch.cuda.cudart().cudaHostRegister(address, size, 3)  # portable | mapped
+            if int(error) != 0:
+                raise RuntimeError(f"{self.path}: cudaHostRegister of host memory's {size:,} bytes failed: {error}")
+            self._registered = address
+        return host_view_on(flat.view(self.capacity, -1), device)
 
     def _release(self, number: int) -> None:
         for pages_read, pages_written in self._issued.pop(number, []):
@@ -402,6 +486,9 @@ class FileRows:
         self._books.shutdown(wait=True, cancel_futures=True)
         self._announcing.clear()
         self._patcher.shutdown(wait=True, cancel_futures=True)
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
         self.engine.close()
         self.file.close()
         if remove:
@@ -409,9 +496,10 @@ class FileRows:
 
     # -- host memory ---------------------------------------------------------------------------
 
-    def _issue(self) -> None:
+    def _issue(self, upto: int | None = None) -> None:
         """Issue queued announcements in order while their pins leave the reserve of host memory
-        (the first always goes: the batch planned next must not wait for room)."""
+        (the first always goes: the batch planned next must not wait for room; so do those of
+        batches up to ``upto``, whose rows are about to move)."""
         reserve = self.reserve
         self._reap()
         while self._queued:
@@ -419,7 +507,8 @@ class FileRows:
             slots = self.block_slot[blocks]
             present = slots >= 0
             more = int((~present).sum()) + int((self.pins[slots[present]] == 0).sum())
-            if self._pinned and int((self.pins > 0).sum()) + more > self.capacity - reserve:
+            due = upto is not None and number <= upto
+            if self._pinned and not due and int((self.pins > 0).sum()) + more > self.capacity - reserve:
                 return
             self._queued.popleft()
             missing = blocks[~present]
@@ -454,6 +543,8 @@ class FileRows:
         blocks that leave host memory, and their slots: they must be written before the read."""
         old = self.slot_block[slots]
         self.block_slot[old[old >= 0]] = -1
+        self._changed.update(old[old >= 0].tolist())
+        self._changed.update(blocks.tolist())
         dirty = (old >= 0) & self.dirty[slots]
         leaving = (old[dirty], slots[dirty])
         self.slot_block[slots] = blocks
@@ -633,6 +724,27 @@ def host_memory_problem(layout: PageLayout, dram_ratio: float, batch_blocks: int
 #: Row files are named ``embbench-<pid>-rank<r>-<n>.rows`` (the n-th this process made).
 _PREFIX = "embbench-"
 _made = itertools.count()
+
+
+def host_view_on(host: Tensor, device: torch.device) -> Tensor:
+    """A contiguous int32 or int64 tensor in pinned (or registered) host memory as a tensor of
+    ``device`` without a copy: on CUDA the same memory, which the GPU reads and writes over the
+    bus (unified addressing: the host address is the device's); elsewhere ``host`` itself."""
+    if device.type != "cuda":
+        return host
+    if not host.is_contiguous() or host.dtype not in (torch.int32, torch.int64):
+        raise ValueError("host_view_on: a contiguous int32 or int64 tensor")
+    return torch.as_tensor(_DeviceView(host), device=device)
+
+
+class _DeviceView:
+    """Host memory as CUDA's array interface describes it: torch makes a CUDA tensor of it
+    without a copy (the view keeps ``host`` alive)."""
+
+    def __init__(self, host: Tensor):
+        self.host = host
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4" if host.dtype == torch.int32 else "<i8",
+                                         "data": (host.data_ptr(), False), "version": 3, "strides": None}
 
 
 def _finish(writes: Transfer | Future) -> None:

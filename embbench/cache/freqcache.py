@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import math
 import time
 import weakref
@@ -39,6 +40,7 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from embbench.cache import row_copy
+from embbench.cache.file_moves import FileMoves
 from embbench.cache.file_rows import FileRows, host_memory_problem
 from embbench.cache.row_copy import move_rows, words
 from embbench.cache.device_planner import (AUTO_LOOKAHEAD, COUNTERS, DevicePlan, DevicePlanner, StepKind,
@@ -151,6 +153,20 @@ class _Prefetched:
     plan: int
 
 
+def _host_timed(method):
+    """Adds the training thread's time in ``method`` to ``counters()['host_step_us']``."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kw):
+        started = time.perf_counter_ns()
+        try:
+            return method(self, *args, **kw)
+        finally:
+            self._host_ns += time.perf_counter_ns() - started
+
+    return timed
+
+
 def host_table(rows: int, width: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
     """``[rows, width]`` zeros in host memory that ``device`` addresses: on CUDA a host-mapped
     pinned tensor (fbgemm's op), which the GPU's gathers and scatters read and write directly."""
@@ -216,8 +232,10 @@ class FreqCache(SparseModule):
         warm = self._host_rows(hot).to(self.device)  # preloaded into slots 0..len-1
         self.cache_weights[: len(hot)], self.cache_extras[: len(hot)] = kind.unpack(warm, dim)
         del profiled, warm
+        self.file_moves = None if self.file_rows is None else FileMoves(
+            self.file_rows, self.cache_weights, self.cache_extras, self.max_ids, self.planner.sink, self.planner.pad_row)
 
-        moves_problem = "rows in a file: the host moves them" if self.file_rows else row_copy.triton_problem(self.device)
+        moves_problem = row_copy.triton_problem(self.device)
         self._triton_moves = moves_problem is None
         self._moves_note = ("triton: padded entries skipped" if moves_problem is None else
                             f"torch: padded to {self.max_ids:,} rows a move ({moves_problem})")
@@ -255,6 +273,7 @@ class FreqCache(SparseModule):
         # The Belady window: the first belady_steps training batches planned in counted steps
         # (set_counting: the harness's instrument, never in a timed step).
         self._counting = False
+        self._host_ns = 0  # the training thread's time in the step's calls (counters: host_step_us)
         self._observed = 0  # training batches planned so far
         self._window_first: int | None = None  # the first recorded one
         self._recorder = _StreamRecorder(params.belady_steps, self.max_ids, self.device)
@@ -263,6 +282,7 @@ class FreqCache(SparseModule):
 
     # -- the look-ahead window --------------------------------------------------------------------
 
+    @_host_timed
     def look_ahead(self, upcoming: list[SparseFeatures]) -> None:
         """Batches seen for the first time enter the planner's window (in look-ahead order).
         Their numbers are given now; their device work is queued after the next forward's
@@ -281,10 +301,10 @@ class FreqCache(SparseModule):
         """Announce to the row file the rows of batch ``number`` that the device holds no slot for
         (the others need no read: issue 50, 12); those it holds are checked again before the
         batch's plan (:meth:`_announce_evicted`), as the plans between may evict them."""
-        with self._on_side():  # after the plans queued so far
+        with self._on_side():  # after the plans queued so far (fixed shapes: no host read)
             held = self.planner.slot_of(rows) != self.planner.sink
-            self._held_at_entry[number] = rows[held]
-            self.file_rows.announce(number, rows[~held].cpu().numpy())
+            self._held_at_entry[number] = torch.where(held, rows, -1)
+            self.file_moves.announce(number, torch.where(held, -1, rows))
 
     def _announce_evicted(self, number: int) -> None:
         """Before batch ``number`` is planned: its rows the device held when it was announced and
@@ -292,11 +312,10 @@ class FreqCache(SparseModule):
         for old in [n for n in self._held_at_entry if n < number]:
             del self._held_at_entry[old]  # (batches planned without their number: evaluation's)
         rows = self._held_at_entry.pop(number, None)
-        if rows is not None and len(rows):
+        if rows is not None:
             with self._on_side():
-                gone = rows[self.planner.slot_of(rows) == self.planner.sink]
-                if len(gone):
-                    self.file_rows.announce(number, gone.cpu().numpy())
+                gone = (rows >= 0) & (self.planner.slot_of(rows.clamp(min=0)) == self.planner.sink)
+                self.file_moves.announce(number, torch.where(gone, rows, -1))
 
     def _enter_pending(self) -> None:
         """Queue the device work of the batches that entered the window since the last call."""
@@ -321,7 +340,7 @@ class FreqCache(SparseModule):
         pid, step = self.planner.advance(train, running, number)
         self._moving = number
         if self.file_rows is not None and number is not None:
-            self.file_rows.release(number - 2)  # its late moves are done (a plan's come at the next forward)
+            self.file_moves.release(number - 2)  # its late moves are queued (a plan's come at the next forward)
         if train and step == _STEADY and len(rows) == self.max_ids:  # every timed step
             out, replayed = self._device_step("plan", rows, eligible=True)
         else:
@@ -473,8 +492,14 @@ class FreqCache(SparseModule):
         only (:mod:`~embbench.cache.row_copy`), else torch copies the padding there too."""
         sink, pad = self.planner.sink, self.planner.pad_row
         if self.file_rows is not None:
-            self._file_moves(*DevicePlan.moves(late if late_part else ~late, write_back_slots, write_back_rows,
-                                               load_slots, load_rows, sink, pad))
+            moves = DevicePlan.moves(late if late_part else ~late, write_back_slots, write_back_rows, load_slots,
+                                     load_rows, sink, pad)
+            if self._moving is not None:  # an announced batch: the device moves its rows
+                self.file_moves.move(*moves, live, self._moving, count=self._counting)
+            else:  # one no announcement brought (evaluation's): the host moves them
+                self.file_moves.drain()
+                self._file_moves(*moves)
+                self.file_moves.host_moved()
             return
         if self._triton_moves:
             host, weights, extras = words(self.host), words(self.cache_weights), words(self.cache_extras)
@@ -493,7 +518,8 @@ class FreqCache(SparseModule):
 
     def _file_moves(self, write_back_slots: Tensor, write_back_rows: Tensor, load_slots: Tensor,
                     load_rows: Tensor) -> None:
-        """The moves against a row file (the host reads the plan's lists: on CUDA a wait)."""
+        """The moves of a batch no announcement brought, against a row file by the host (it reads
+        the plan's lists: on CUDA a wait)."""
         kind, pad = self.kind, self.planner.pad_row
         rows = write_back_rows.cpu().numpy()
         out = rows != pad
@@ -577,6 +603,7 @@ class FreqCache(SparseModule):
 
     # -- the SparseModule interface ------------------------------------------------------------
 
+    @_host_timed
     def forward(self, features: SparseFeatures) -> Tensor:
         """The lookup, launched before any side-stream work of the step: the late moves it waits
         for were queued at the end of the step before (:meth:`after_backward`), the window's
@@ -603,6 +630,7 @@ class FreqCache(SparseModule):
         self._enter_pending()  # on the side stream, beside the dense forward
         return per_sample(pooled, features)
 
+    @_host_timed
     def prefetch(self, features: SparseFeatures) -> None:
         """Plan the next batch and move its rows now; the running batch's slots are kept. (The
         harness calls it once the dense forward is launched; on the side stream it waits for
@@ -612,12 +640,14 @@ class FreqCache(SparseModule):
                 slots = self._plan(features, True, running=self._running)
             self._prefetched = _Prefetched(features.values, slots, self.planner.plans - 1)
 
+    @_host_timed
     def after_backward(self) -> None:
         """The running step's update is queued: the late moves into its slots follow it on the
         side stream, beside the dense optimizer's step, and the next lookup finds them done."""
         self._gate = None
         self._apply_late()
 
+    @_host_timed
     def end_step(self) -> None:
         """The next batch's planning and moves belong to this step's time."""
         self._gate = None
@@ -673,6 +703,9 @@ class FreqCache(SparseModule):
         loaded = c.pop("rows_loaded")
         # No host planning and no own host syncs to count (the step's syncs are counted by the
         # runner's operator counter, on CUDA).
+        if self.file_moves is not None:  # (the write-backs' own counts: each applied)
+            self.file_moves.drain()
+        c["host_step_us"] = self._host_ns // 1000
         return {**c, "bytes_h2d": loaded * self.row_bytes, "bytes_d2h": c["rows_written_back"] * self.row_bytes,
                 **self.store.work_counters(), **(self.file_rows.counters() if self.file_rows else {}),
                 **self.table_counters()}
@@ -680,7 +713,8 @@ class FreqCache(SparseModule):
     def memory(self) -> MemoryFootprint:
         device = self.store.nbytes + self.planner.nbytes
         if self.file_rows is not None:  # the file is on the drive: host memory holds its cached pages
-            return MemoryFootprint(device_bytes=device, host_bytes=self.file_rows.nbytes)
+            moves_device, moves_host = self.file_moves.nbytes
+            return MemoryFootprint(device_bytes=device + moves_device, host_bytes=self.file_rows.nbytes + moves_host)
         if self.cuda:
             return MemoryFootprint(device_bytes=device, host_bytes=0, pinned_bytes=self.host.nbytes)
         return MemoryFootprint(device_bytes=device, host_bytes=self.host.nbytes)
@@ -693,6 +727,8 @@ class FreqCache(SparseModule):
         slots, rows = self.planner.dirty()
         out = self.kind.pack(self.cache_weights[slots], self.cache_extras[slots])
         if self.file_rows is not None:
+            self.file_moves.drain()
+            self.file_moves.host_moved()
             rows = rows.cpu().numpy()
             real = rows < self.num_rows  # (the dummy row has no place in the file)
             self.file_rows.scatter(rows[real], out.cpu()[torch.from_numpy(real)])

@@ -42,8 +42,8 @@ def _triton_kernel():
         import triton.language as tl
 
         @triton.jit
-        def move_rows(host, host_stride, weights, w_stride, extras, e_stride, slots, rows, late, live, sink, pad,
-                      w_words, e_words, LATE: tl.constexpr, TO_HOST: tl.constexpr,
+        def move_rows(host, host_stride, rows_per_block, block_stride, weights, w_stride, extras, e_stride, slots,
+                      rows, late, live, sink, pad, w_words, e_words, LATE: tl.constexpr, TO_HOST: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
             bound = tl.load(live)
             for start in range(tl.program_id(0) * ROWS, bound, tl.num_programs(0) * ROWS):
@@ -53,11 +53,14 @@ def _triton_kernel():
                 r = tl.load(rows + i, mask=inside, other=pad).to(tl.int64)
                 mine = (tl.load(late + i, mask=inside, other=0) != 0) == LATE
                 go = inside & mine & (s != sink) & (r != pad)  # a padded entry: no load, no store
+                # host row r: row r % rows_per_block of block r // rows_per_block (a row file's
+                # pages hold whole rows and leave a tail; one block of one row elsewhere)
+                base = (r // rows_per_block) * block_stride + (r % rows_per_block) * host_stride
                 # a packed host row: the weights' words, then the extras'
                 for c0 in range(0, w_words, COLS):
                     c = c0 + tl.arange(0, COLS)
                     mask = go[:, None] & (c < w_words)[None, :]
-                    at_host = host + r[:, None] * host_stride + c[None, :]
+                    at_host = host + base[:, None] + c[None, :]
                     at_slot = weights + s[:, None] * w_stride + c[None, :]
                     if TO_HOST:
                         tl.store(at_host, tl.load(at_slot, mask=mask), mask=mask)
@@ -66,7 +69,7 @@ def _triton_kernel():
                 for c0 in range(0, e_words, COLS):
                     c = c0 + tl.arange(0, COLS)
                     mask = go[:, None] & (c < e_words)[None, :]
-                    at_host = host + r[:, None] * host_stride + (w_words + c)[None, :]
+                    at_host = host + base[:, None] + (w_words + c)[None, :]
                     at_slot = extras + s[:, None] * e_stride + c[None, :]
                     if TO_HOST:
                         tl.store(at_host, tl.load(at_slot, mask=mask), mask=mask)
@@ -83,18 +86,22 @@ def words(t: Tensor) -> Tensor:
 
 
 def move_rows(host: Tensor, weights: Tensor, extras: Tensor, slots: Tensor, rows: Tensor, late: Tensor, live: Tensor,
-              *, sink: int, pad: int, late_part: bool, to_host: bool) -> None:
+              *, sink: int, pad: int, late_part: bool, to_host: bool, rows_per_block: int = 1,
+              block_stride: int | None = None) -> None:
     """One direction of a plan's moves in one launch: for each entry ``i < live`` of the part
     ``late_part`` selects (``late[i] == late_part``) whose slot is not ``sink`` and whose row is
     not ``pad``, the packed host row ``rows[i]`` (``host``: the weights' words, then the
     extras') to or from slot ``slots[i]`` of ``weights`` and ``extras``. All tables are 32-bit
     words (:func:`words`); ``live`` is a 1-element tensor read on the device (the plan's
     candidates: no move lies past it). Runs compiled on CUDA, in Triton's interpreter on a CPU
-    with ``TRITON_INTERPRET=1``."""
+    with ``TRITON_INTERPRET=1``. A row file's host slots (:mod:`~embbench.cache.file_moves`) are
+    blocks of ``rows_per_block`` rows ``block_stride`` words apart: row ``r`` is row
+    ``r % rows_per_block`` of block ``r // rows_per_block`` (default: one row a block)."""
     n = slots.numel()
     if n == 0:
         return
     grid = (min(-(-n // _ROWS), _PROGRAMS),)
-    _triton_kernel()[grid](host, host.stride(0), weights, weights.stride(0), extras, max(1, extras.stride(0)), slots,
+    stride = host.stride(0)
+    _triton_kernel()[grid](host, stride, rows_per_block, stride if block_stride is None else block_stride, weights, weights.stride(0), extras, max(1, extras.stride(0)), slots,
                            rows, late, live.reshape(1), sink, pad, weights.shape[1], extras.shape[1],
                            LATE=late_part, TO_HOST=to_host, ROWS=_ROWS, COLS=_COLS)
