@@ -139,3 +139,37 @@ def test_the_training_thread_s_host_time_is_counted():
             _train(module, batches, prefetch=True, lookahead=2)
             assert module.counters()["host_step_us"] > first >= 0
         on_file.file_rows.close()
+
+
+def test_with_a_row_file_the_plan_s_graph_holds_no_move_and_the_late_moves_are_never_captured(monkeypatch, tmp_path):
+    """CUDA graphs stay on with a row file: the plan is captured without its moves, which run
+    after each replay, and the late moves (host waits for reads) are never captured. On the CPU
+    a stand-in graph runs the captured step at each replay; the weights stay the memory store's."""
+    from embbench.cache import freqcache
+
+    captured: dict[str, object] = {}
+
+    class Replay:  # a graph's stand-in: replays run the captured step again
+        def __init__(self, step, inputs, static_inputs=False):
+            self.step, self.shapes = step, [t.shape for t in inputs]
+            captured[getattr(step, "__name__", repr(step))] = step
+
+        def fits(self, inputs):
+            return [t.shape for t in inputs] == self.shapes
+
+        def __call__(self, *inputs):
+            return self.step(*inputs)
+
+    monkeypatch.setattr(freqcache, "CapturedStep", Replay)
+    batches = _batches(TABLES, 12, 32, seed=4, hot_share=0.3)
+    opt = EmbeddingOptimizer(type="sgd", lr=0.3)
+    with tempfile.TemporaryDirectory(dir=tmp_path) as folder:
+        memory, on_file = _pair(TABLES, batches, opt, folder, cache_ratio=0.002, dram_ratio=0.2)
+        on_file._graphs_on = True
+        monkeypatch.setattr(on_file, "_check_first_replay", lambda slots, rows: None)
+        expected = [_step(memory, batches, i) for i in range(len(batches))]
+        got = [_step(on_file, batches, i) for i in range(len(batches))]
+        assert sorted(captured) == ["_steady_planned", "device_enter"]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert all(torch.equal(a, b) for a, b in zip(on_file.flush(), memory.flush()))
+        on_file.file_rows.close()

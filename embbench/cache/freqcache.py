@@ -251,9 +251,9 @@ class FreqCache(SparseModule):
                               "off: not on CUDA (compile: auto)" if params.compile == "auto" else "off: compile is false")
         self._captured: dict[str, CapturedStep] = {}
         self._eager_runs = dict.fromkeys(self._steps, 0)
-        self._graphs_on = self.cuda and params.cuda_graph and self.file_rows is None
+        self._graphs_on = self.cuda and params.cuda_graph
         self._graph_note = ("not captured yet" if self._graphs_on else "off: not on CUDA" if not self.cuda else
-                            "off: cuda_graph is false" if not params.cuda_graph else "off: rows in a file (host moves)")
+                            "off: cuda_graph is false")
         self._graph_checked = False
         self._numbers: dict[int, tuple[Tensor, int]] = {}  # id(values) -> (values, window number)
         self._entering: list[SparseFeatures] = []  # numbered, their device work not queued yet
@@ -419,19 +419,22 @@ class FreqCache(SparseModule):
         graph once it has run a few times. Returns its output and whether it was replayed."""
         captured = self._captured.get(name)
         if eligible and captured is not None and captured.fits(inputs):
-            return captured(*inputs), True
+            return self._after_graph(name, captured(*inputs)), True
         step = self._compiled_step(name) if eligible else self._steps[name]
-        if eligible and self._graphs_on and captured is None:
+        # a row file's moves wait on the host (its reads): never in a graph, the plan's before them
+        capturable = not (self.file_moves is not None and name == "late")
+        if eligible and self._graphs_on and captured is None and capturable:
             self._eager_runs[name] += 1
             if self._eager_runs[name] > _EAGER_BEFORE_CAPTURE:
                 try:
-                    self._captured[name] = CapturedStep(step, inputs, static_inputs=self._plan_outputs(inputs))
+                    self._captured[name] = CapturedStep(self._graph_step(name), inputs,
+                                                        static_inputs=self._plan_outputs(inputs))
                 except Exception as e:  # an operation torch cannot capture: stay uncaptured, and say why
                     self._graphs_on = False
                     self._graph_note = f"capture of {name} failed: {type(e).__name__}: {e}"
                 else:
                     self._graph_note = "captured: " + ", ".join(sorted(self._captured))
-                    return self._captured[name](*inputs), True
+                    return self._after_graph(name, self._captured[name](*inputs)), True
         if step is self._steps[name] or name in self._compile_worked:
             return step(*inputs), False
         compiled, finish = self._compiled[name]
@@ -448,6 +451,17 @@ class FreqCache(SparseModule):
         self._compile_note = "compiled: " + ", ".join(sorted(self._compile_worked))
         # (outside the try: a failure here is not the compiler's, and must not plan the batch twice)
         return finish(out), False
+
+    def _graph_step(self, name: str):
+        """What the graph of step ``name`` captures: the step (compiled where it is), but with a row
+        file the plan without its moves (:meth:`_after_graph` runs them after each replay)."""
+        if self.file_moves is None or name != "plan":
+            return self._compiled_step(name)
+        self._compiled_step(name)  # (compiles the plan without its moves, where compilation is on)
+        return self._compiled["plan"][0] if "plan" in self._compiled else self._steady_planned
+
+    def _after_graph(self, name: str, out):
+        return self._early_moves(out) if self.file_moves is not None and name == "plan" else out
 
     def _plan_outputs(self, inputs: tuple[Tensor, ...]) -> bool:
         """Whether ``inputs`` are the captured plan's own move lists (the late moves' inputs
