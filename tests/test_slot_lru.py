@@ -101,6 +101,7 @@ def test_the_victims_and_the_pinned_count_are_the_full_scan_s(capacity, piece, s
                         ref.ready[victims] = True
         assert lru.pinned == int((ref.pins > 0).sum())
         assert np.array_equal(lru.pins, ref.pins) and np.array_equal(lru.ready, ref.ready)
+        assert lru._entries == sum(len(slots) for slots, _ in lru._touches) <= 2 * capacity + slack
 
 
 def test_unpinning_a_slot_more_often_than_it_was_pinned_is_an_error():

@@ -52,7 +52,8 @@ class SlotLru:
     @property
     def nbytes(self) -> int:
         arrays = (self.pins, self.ready, self.empty, self.last_use, self._position, self._kept)
-        return sum(a.nbytes for a in arrays) + sum(s.nbytes + t.nbytes for s, t in self._touches)
+        # (the queue by its count: another thread may be changing it)
+        return sum(a.nbytes for a in arrays) + 2 * 8 * self._entries
 
     def touch(self, slots: np.ndarray) -> None:
         """``slots`` were used now (the same slot may appear more than once)."""
