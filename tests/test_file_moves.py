@@ -13,6 +13,7 @@ import torch
 
 from embbench.cache import file_moves, row_copy
 from embbench.cache.file_rows import FileRows
+from embbench.cache.slot_lru import SlotLru
 from embbench.data import TableSpec
 from embbench.host_reads import HostReadCheck
 from embbench.optim import EmbeddingOptimizer
@@ -25,7 +26,7 @@ TABLES = [TableSpec("a", 120_000, 16, 2, 1.0), TableSpec("b", 60_000, 16, 1, 1.0
 def _on_training_thread(monkeypatch, calls: list[str]) -> None:
     """Record the calls, on the calling thread, that read a tensor on the host (.numpy(),
     .tolist(), .item(), .cpu(): on CUDA each waits for the device, and a CPU's dispatch never
-    sees them) or do the store's bookkeeping over a batch (np.unique, np.argpartition)."""
+    sees them) or do the store's bookkeeping over a batch (np.unique, the eviction's SlotLru.victims)."""
     me = threading.current_thread()
 
     def spy(owner, name):
@@ -42,6 +43,7 @@ def _on_training_thread(monkeypatch, calls: list[str]) -> None:
         spy(torch.Tensor, name)
     for name in ("unique", "argpartition"):
         spy(np, name)
+    spy(SlotLru, "victims")  # (the eviction's choice)
 
 
 def _step(module, batches, i) -> torch.Tensor:

@@ -611,16 +611,18 @@ def test_each_table_s_counts_add_up_to_the_whole_in_both_stores(tmp_path):
 
 def test_an_announcement_s_bookkeeping_runs_off_the_caller_s_thread(tmp_path, monkeypatch):
     """Issue 48, item 4 (the part built): np.unique over an announced batch, and the eviction's
-    argpartition, run on the store's bookkeeping thread; the caller only hands the rows over."""
+    choice of victims, run on the store's bookkeeping thread; the caller only hands the rows over."""
     import threading
+
+    from embbench.cache.slot_lru import SlotLru
 
     rows = FileRows(tmp_path / "t.rows", 50_000, 10, torch.float32, dram_ratio=0.3, batch_blocks=60)
     try:
         rows.fill(lambda a, b: torch.arange(a, b, dtype=torch.float32)[:, None].repeat(1, 10))
         callers = []
-        for name in ("unique", "argpartition"):
-            real = getattr(np, name)
-            monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **kw:
+        for owner, name in ((np, "unique"), (SlotLru, "victims")):
+            real = getattr(owner, name)
+            monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **kw:
                                 callers.append((_name, threading.current_thread().name)) or _real(*a, **kw))
         me = threading.current_thread().name
         batches = [np.random.default_rng(k).choice(50_000, 40, replace=False) for k in range(12)]
@@ -629,7 +631,7 @@ def test_an_announcement_s_bookkeeping_runs_off_the_caller_s_thread(tmp_path, mo
             assert [c for c in callers if c[1] == me] == []
         rows.counters()  # (waits for the announcements' bookkeeping)
         monkeypatch.undo()
-        assert {name for name, _ in callers} == {"unique", "argpartition"}  # (done, on the other thread)
+        assert {name for name, _ in callers} == {"unique", "victims"}  # (done, on the other thread)
         for number, batch in enumerate(batches):
             assert torch.equal(rows.gather(batch, number)[:, 0], torch.from_numpy(batch).float())
             rows.release(number)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from embbench import owned
+from embbench.cache.slot_lru import SlotLru
 from embbench.disk.layout import PAGE, PageLayout, RowOrder
 from embbench.disk.pagefile import PageFile, Transfer, aligned_pages
 from embbench.disk.reader import Engine, get_reader
@@ -159,13 +160,12 @@ class FileRows:
         self._rows = self._block_rows(self.buffer)  # every row of every slot: [slot, row in block, byte]
         self.block_slot = np.full(self.blocks, -1, np.int64)
         self.slot_block = np.full(capacity, -1, np.int64)
-        self.ready = np.zeros(capacity, bool)  # the slot's block has arrived
+        self.lru = SlotLru(capacity)  # pins, arrivals, recency: the victims without a scan of every slot
+        # (read-only views: they change through self.lru)
+        self.ready, self.pins, self.last_use = (_read_only(a) for a in (self.lru.ready, self.lru.pins, self.lru.last_use))
         self.dirty = np.zeros(capacity, bool)
-        self.pins = np.zeros(capacity, np.int32)  # announced batches not yet moved that need the slot
-        self.last_use = np.zeros(capacity, np.int64)
         self.read_for = np.full(capacity, -1, np.int64)  # the batch whose announcement read the slot's block
         self.filled_by = np.full(capacity, -1, np.int64)  # the job that fills the slot
-        self._clock = 0
         self._patcher = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-patch")  # read, patch, write
         self._lock = threading.RLock()  # the bookkeeping's: the caller's thread and the announcements'
         self._books = ThreadPoolExecutor(1, thread_name_prefix="embbench-rows-books")  # announcements, in order
@@ -189,8 +189,8 @@ class FileRows:
     @property
     def nbytes(self) -> int:
         """Host memory the store holds: its blocks and its maps."""
-        maps = self.order.nbytes + self.block_slot.nbytes + sum(a.nbytes for a in (self.slot_block, self.ready, self.dirty, self.pins,
-                                                                 self.last_use, self.read_for, self.filled_by))
+        maps = self.order.nbytes + self.block_slot.nbytes + self.lru.nbytes + sum(
+            a.nbytes for a in (self.slot_block, self.dirty, self.read_for, self.filled_by))
         return self.buffer.nbytes + maps
 
     def describe(self) -> dict:
@@ -371,7 +371,7 @@ class FileRows:
         slots = self._pinned.pop(number, None)
         if slots is not None:
             self._wait_for(number)  # (done by now): an unpinned slot must hold what it says
-            np.subtract.at(self.pins, slots, 1)
+            self.lru.unpin(slots)
         self._queued = deque((n, b) for n, b in self._queued if n != number)  # never issued: drop it
         self._issue()
 
@@ -508,16 +508,16 @@ class FileRows:
             present = slots >= 0
             more = int((~present).sum()) + int((self.pins[slots[present]] == 0).sum())
             due = upto is not None and number <= upto
-            if self._pinned and not due and int((self.pins > 0).sum()) + more > self.capacity - reserve:
+            if self._pinned and not due and self.lru.pinned + more > self.capacity - reserve:
                 return
             self._queued.popleft()
             missing = blocks[~present]
             self._touch(slots[present])
-            np.add.at(self.pins, slots[present], 1)
+            self.lru.pin(slots[present])
             if len(missing):
                 victims = self._evict(len(missing))
                 leaving = self._attach(missing, victims)
-                self.pins[victims] += 1
+                self.lru.pin(victims)
                 self.read_for[victims] = number
                 self._submit(number, leaving, missing, victims)
                 slots = self.block_slot[blocks]
@@ -527,15 +527,11 @@ class FileRows:
         """``k`` unpinned slots, empty ones first then the least recently used, never one of
         ``keep`` (the slots the caller is about to use); their dirty blocks are written by the
         job that fills them (before it reads)."""
-        free = (self.pins == 0) & (self.ready | (self.slot_block < 0))  # (never a slot being read into)
-        if keep is not None:
-            free[keep] = False
-        if int(free.sum()) < k:
-            raise RuntimeError(f"{self.path}: host memory holds {self.capacity:,} blocks, {int(free.sum()):,} of them "
-                               f"free of announced batches: {k:,} more do not fit (a batch touched more blocks than "
-                               "the profiled ones: raise dram_ratio)")
-        order = np.where(free, np.where(self.slot_block < 0, -1, self.last_use), np.iinfo(np.int64).max)
-        victims = np.argpartition(order, k - 1)[:k] if k < len(order) else np.arange(len(order))
+        victims = self.lru.victims(k, keep)  # (never a slot being read into)
+        if victims is None:
+            raise RuntimeError(f"{self.path}: host memory holds {self.capacity:,} blocks, {self.lru.evictable(keep):,} of "
+                               f"them free of announced batches: {k:,} more do not fit (a batch touched more blocks "
+                               "than the profiled ones: raise dram_ratio)")
         return victims
 
     def _attach(self, blocks: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -549,9 +545,8 @@ class FileRows:
         leaving = (old[dirty], slots[dirty])
         self.slot_block[slots] = blocks
         self.block_slot[blocks] = slots
-        self.ready[slots] = False
         self.dirty[slots] = False
-        self._touch(slots)
+        self.lru.attach(slots)
         return leaving
 
     def _submit(self, number: int, leaving: tuple[np.ndarray, np.ndarray], blocks: np.ndarray,
@@ -649,7 +644,7 @@ class FileRows:
         self._wait_for_writes(blocks)
         self.file.submit(self.engine, self._pages_of(blocks), self.buffer, self._slot_pages(victims), write=False,
                          urgent=True).wait()
-        self.ready[victims] = True
+        self.lru.arrived(victims)
         self.read_for[victims] = -1
         self.counts["nvme_pages_read"] += len(blocks) * self.block_pages
         self.counts["nvme_pages_read_on_demand"] += len(blocks) * self.block_pages
@@ -679,11 +674,10 @@ class FileRows:
     def _reap_one(self) -> None:
         job = self._jobs.popleft()
         job.reads.wait()  # re-raises its error (an I/O error) here, naming the file
-        self.ready[job.slots[self.filled_by[job.slots] == job.number]] = True
+        self.lru.arrived(job.slots[self.filled_by[job.slots] == job.number])
 
     def _touch(self, slots: np.ndarray) -> None:
-        self._clock += 1
-        self.last_use[slots] = self._clock
+        self.lru.touch(slots)
 
     # -- bytes between the file and the slots ----------------------------------------------------
 
@@ -745,6 +739,12 @@ class _DeviceView:
         self.host = host
         self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4" if host.dtype == torch.int32 else "<i8",
                                          "data": (host.data_ptr(), False), "version": 3, "strides": None}
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _finish(writes: Transfer | Future) -> None:
