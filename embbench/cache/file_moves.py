@@ -19,8 +19,9 @@ tensor:
   to pinned memory) and their packed values (written by the device into pinned, mapped host
   memory). The bookkeeping thread applies each entry in order once its event has happened (into
   the block's slot, or patched into the file: :meth:`FileRows.scatter`). A load that finds its
-  row in the ring takes the ring's value (the newest entry wins), so a row written back and
-  loaded again before the host applied it is exact without a wait; an entry is overwritten
+  row in an entry the host has not applied yet takes the ring's value (the newest entry wins),
+  so a row written back and loaded again before the host applied it is exact without a wait;
+  an entry is overwritten
   only after the host applied it (a stall if the host is ``depth`` moves behind).
 - **Releases.** A batch's blocks are unpinned by the bookkeeping thread once an event recorded
   after its moves has happened.
@@ -185,8 +186,10 @@ class FileMoves:
             self.rows.count_loads(rows[real].cpu().numpy(), number)
 
     def _ring_entries(self) -> list[int]:
-        """The ring's entries that hold rows, oldest first."""
-        return [written % self.depth for written in range(max(0, self._written - self.depth), self._written)]
+        """The ring's entries whose rows host memory may lack, oldest first: those the host has
+        not applied yet (one it has applied is in host memory before the load reads it)."""
+        first = max(self._applied, self._written - self.depth)  # (a host count: the bookkeeping thread's)
+        return [written % self.depth for written in range(first, self._written)]
 
     def _place(self, rows: Tensor) -> Tensor:
         """Each row's place in the file (RowOrder.place on the device)."""
