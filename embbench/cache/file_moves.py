@@ -95,8 +95,15 @@ class FileMoves:
     @property
     def nbytes(self) -> tuple[int, int]:
         """(device bytes, host bytes) beyond the store's: the block map, the order, the ring."""
-        device = self.block_slot.nbytes + self.moved.nbytes + self.places.nbytes + self.ring_rows.nbytes
-        return device, self.ring_rows_host.nbytes + self.ring_words_host.nbytes
+        return self.footprint(self.rows.blocks, len(self.moved), self.max_ids, self.rows.row_bytes, self.depth)
+
+    @staticmethod
+    def footprint(blocks: int, moved: int, max_ids: int, row_bytes: int, depth: int = 4) -> tuple[int, int]:
+        """(device bytes, host bytes): the block map (8 bytes a block) and the order's moved rows
+        (16 bytes each) on the device, the ring's rows on both sides (8 bytes an id an entry) and
+        its values in pinned host memory (a row an id an entry, and a spare row)."""
+        ring_rows = depth * max_ids * 8
+        return blocks * 8 + moved * 16 + ring_rows, ring_rows + depth * (max_ids + 1) * row_bytes
 
     # -- announcements and releases -----------------------------------------------------------------
 

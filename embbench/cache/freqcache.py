@@ -896,8 +896,11 @@ class FreqCacheStrategy(Strategy):
             # profile, and as many rows they displace: at most one per profiled id)
             moved = 0 if self.params.store_layout == "id" or local_batch_size is None else \
                 min(n, self.params.profile_batches * local_batch_size * sum(t.bag_size for t in tables))
-            return MemoryFootprint(device_bytes=device, host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes)
-                                   + blocks * 8 + moved * 8, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir,
+            ids = 0 if local_batch_size is None else local_batch_size * sum(t.bag_size for t in tables)
+            moves_device, moves_host = FileMoves.footprint(blocks, moved, ids, row_bytes)  # the moves' map and ring
+            return MemoryFootprint(device_bytes=device + moves_device,
+                                   host_bytes=math.ceil(self.params.dram_ratio * layout.file_bytes) + blocks * 8
+                                   + moved * 8 + moves_host, disk_bytes=layout.file_bytes, disk_dir=self.params.store_dir,
                                    scratch_bytes=_PROBE_FILE_BYTES if self.params.drive_probe_s else 0, refusal=refusal)
         return MemoryFootprint(device_bytes=device, host_bytes=(n + 1) * row_bytes)
 
