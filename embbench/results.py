@@ -187,6 +187,7 @@ class RankMetrics(TypedDict):
     counters: dict[str, NonNegative]
     measured_seconds: NotRequired[Positive]  # absent in records older than the projection's use of it
     timed_comm_us: NotRequired[NonNegative]  # its collectives' time in the timed steps (counters: the counted ones)
+    timed_host_step_us: NotRequired[NonNegative]  # its training thread's time in the strategy's calls, timed steps
     extra: NotRequired[dict[str, Any]]
     hit_rate: NotRequired[Rate | None]
     unique_hit_rate: NotRequired[Rate | None]
@@ -282,6 +283,7 @@ class Metrics(TypedDict):
     generator_samples_per_s: NotRequired[Positive]
     generator_cuda_graph: NotRequired[bool | None]
     ops_per_step: NotRequired[NonNegative]
+    host_step_us_per_step: NotRequired[NonNegative]  # counters.host_step_us over the timed steps, per step
     host_syncs_per_step: NotRequired[NonNegative | None]  # None: not counted (CPU)
     schedule: NotRequired[str]
     # with run.deterministic: the operators that had no deterministic implementation (ran as they are)

@@ -333,6 +333,8 @@ class _Timing:
     steps: tuple[int, int]
     #: microseconds this rank spent in collectives over them (a strategy that times its own), or None
     comm_us: int | None
+    #: microseconds this rank's training thread spent in the strategy's calls over them (host_step_us), or None
+    host_step_us: int | None
     #: this rank's CPU seconds (every thread) in its timed steps, the untimed batch-making excluded
     cpu_seconds: float
     #: the machine sampled at the start and the end of the timed steps (:func:`embbench.noise.sample`)
@@ -372,8 +374,9 @@ def _time_steps(training: _Training, report: "_Progress") -> _Timing:
     end = noise.sample(gpu)
     window_cpu = end["process_cpu_s"] - start["process_cpu_s"]
     making_batches = training.batch_cpu_seconds - batch_cpu_before
-    comm_us = _sum_counters(counters_before, training.sparse.counters()).get("comm_us")
-    return _Timing(step_seconds, (first_step, training.step_index), comm_us, max(0.0, window_cpu - making_batches),
+    timed = _sum_counters(counters_before, training.sparse.counters())
+    return _Timing(step_seconds, (first_step, training.step_index), timed.get("comm_us"), timed.get("host_step_us"),
+                   max(0.0, window_cpu - making_batches),
                    (start, end), window_cpu)
 
 
@@ -550,6 +553,7 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, counted: _Cou
         "counters": counted.counters,
         # the projection's communication time: of the timed steps, as its step time is
         **({} if timing.comm_us is None else {"timed_comm_us": timing.comm_us}),
+        **({} if timing.host_step_us is None else {"timed_host_step_us": timing.host_step_us}),
         # the time of the steps the counters cover, on this rank (the projection subtracts them)
         "measured_seconds": sum(timing.step_seconds),
         "cpu_seconds": timing.cpu_seconds,
@@ -590,6 +594,9 @@ def _record(training: _Training, warmup: _WarmUp, timing: _Timing, counted: _Cou
         "generator_cuda_graph": data.uses_cuda_graph(global_batch) if hasattr(data, "uses_cuda_graph") else None,
         "ops_per_step": ops.ops / OPS_STEPS,
         "host_syncs_per_step": None if ops.host_syncs is None else ops.host_syncs / OPS_STEPS,
+        # the training thread's time in the strategy's calls, a timed step (the busiest rank's)
+        **({"host_step_us_per_step": max(r["timed_host_step_us"] for r in ranks) / measured_steps}
+           if all("timed_host_step_us" in r for r in ranks) else {}),
         "schedule": "strategy" if training.stream.scheduled else "data",
         "dense_precision": training.run.dense_precision,
         "dense_precision_effective": effective_precision(training.run.dense_precision, training.device),

@@ -175,3 +175,13 @@ def test_with_a_row_file_the_plan_s_graph_holds_no_move_and_the_late_moves_are_n
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         assert all(torch.equal(a, b) for a, b in zip(on_file.flush(), memory.flush()))
         on_file.file_rows.close()
+
+
+def test_the_record_has_the_training_thread_s_host_time_a_timed_step(tmp_path):
+    """host_step_us over the timed steps (instruments off), per step: positive, and within the
+    step's own time (the calls run inside the timed step)."""
+    from tests.conftest import tiny_scenario, train_and_flush
+
+    _, metrics = train_and_flush(tiny_scenario(run={"warmup_steps": 2, "steps": 4, "repeats": 2}), "freqcache",
+                                 {"cache_ratio": 0.05}, tmp_path=tmp_path)
+    assert 0 < metrics["host_step_us_per_step"] <= 1e6 * metrics["step_time_s"]["mean"]
