@@ -728,6 +728,10 @@ class FreqCache(SparseModule):
         device = self.store.nbytes + self.planner.nbytes
         if self.file_rows is not None:  # the file is on the drive: host memory holds its cached pages
             moves_device, moves_host = self.file_moves.nbytes
+            if self.cuda:  # host memory's slots (registered) and the ring's values are pinned
+                pinned = self.file_rows.buffer.nbytes + moves_host
+                return MemoryFootprint(device_bytes=device + moves_device, pinned_bytes=pinned,
+                                       host_bytes=self.file_rows.nbytes + moves_host - pinned)
             return MemoryFootprint(device_bytes=device + moves_device, host_bytes=self.file_rows.nbytes + moves_host)
         if self.cuda:
             return MemoryFootprint(device_bytes=device, host_bytes=0, pinned_bytes=self.host.nbytes)
