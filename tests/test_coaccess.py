@@ -187,3 +187,21 @@ def test_freqcache_places_its_file_by_co_access_and_trains_what_the_host_table_t
         assert all(torch.equal(a, b) for a, b in zip(on_file.flush(), memory.flush()))
     finally:
         on_file.file_rows.close()
+
+
+def test_the_preflight_places_a_coaccess_file_and_counts_its_map(tmp_path):
+    from embbench.launch import memory_preflight
+    from embbench.scenario import Cell
+
+    raw = tiny_scenario(data={"scale": 0.2})
+    raw["data"]["coaccess"] = {"share": 0.5, "entities": 500}
+    scenario, _ = parse_scenario(raw, "t.yaml")
+    cells = {layout: Cell("freqcache", {"store": "file", "dram_ratio": 0.1, "store_dir": str(tmp_path),
+                                        "store_layout": layout}, 1) for layout in ("frequency", "coaccess")}
+    estimate = {layout: cell.make_strategy().estimate_memory(scenario.tables(), scenario.optimizer.embedding, 1,
+                                                             local_batch_size=64, train_steps=10)
+                for layout, cell in cells.items()}
+    rows = sum(t.num_rows for t in scenario.tables())
+    ids = 32 * 64 * sum(t.bag_size for t in scenario.tables())  # profile_batches x batch x ids a sample
+    assert estimate["coaccess"].host_bytes - estimate["frequency"].host_bytes == 8 * (min(rows, 3 * ids) - min(rows, ids))
+    assert memory_preflight(scenario, cells["coaccess"], torch.device("cpu"))[1] is None  # it built the order

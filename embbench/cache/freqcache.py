@@ -851,9 +851,9 @@ class FreqCacheStrategy(Strategy):
             refusal = None
             if train_batches is not None and world_size == 1:  # the profile the build sizes host memory by
                 space = RowSpace(tables)
-                batches = list(train_batches(self.params.profile_batches))
-                profiled = [space.global_rows(batch.sparse).numpy() for batch in batches]
-                samples = [batch.sparse.sample_of_each_id().numpy() for batch in batches] \
+                features = [batch.sparse for batch in train_batches(self.params.profile_batches)]
+                profiled = [space.global_rows(f).numpy() for f in features]
+                samples = [f.sample_of_each_id().numpy() for f in features] \
                     if self.params.store_layout == "coaccess" else None
                 order = store_order(self.params.store_layout, n, profiled, space.starts.tolist(), samples,
                                     layout.rows_per_page, cached)
