@@ -48,9 +48,18 @@ class DriftConfig(_Strict):
     fraction: float = Field(gt=0, le=1, description="share of each table's hot ids that change at each")
 
 
+class CoAccessConfig(_Strict):
+    """Samples drawn from latent entities, whose rows recur together (the generator's
+    ``coaccess``, :class:`embbench.data.synthetic.CoAccess`)."""
+
+    share: float = Field(gt=0, le=1, description="share of the samples that take all their ids from an entity")
+    entities: int = Field(gt=0, description="how many entities there are")
+    alpha: float = Field(1.15, ge=0, allow_inf_nan=False, description="Zipf exponent of entity popularity")
+
+
 # The keys that belong to one data source only (the others must be left out).
 _SOURCE_KEYS = {
-    "synthetic": {"preset", "tables", "scale", "min_rows_per_table", "alpha", "drift"},
+    "synthetic": {"preset", "tables", "scale", "min_rows_per_table", "alpha", "drift", "coaccess"},
     "criteo_tsv": {"path", "format", "eval", "hash_size", "min_count", "epochs"},
     "trace": {"path", "epochs"},
 }
@@ -86,6 +95,9 @@ class DataConfig(_Strict):
                              "a scaled table stays larger than what one batch touches (1: the scale alone)")
     alpha: float | list[float] = Field(1.15, description="Zipf exponent of id popularity, or one per table")
     drift: DriftConfig | None = Field(None, description="which ids are hot changes every N batches")
+    coaccess: CoAccessConfig | None = Field(
+        None, description="a share of the samples drawn from entities whose rows recur together (none: every id "
+                          "drawn on its own)")
     # criteo_tsv and trace
     path: str | None = Field(None, description="a file, a glob, or a directory of day_N files (plain or .gz); a trace .npz")
     format: Literal["kaggle", "terabyte"] = "kaggle"

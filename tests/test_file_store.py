@@ -57,7 +57,7 @@ def _pair(tables, batches, opt, folder, precision="fp32", cache_ratio=0.01, **fi
 @settings(max_examples=8, deadline=None)
 @given(opt_type=st.sampled_from(["sgd", "rowwise_adagrad"]), dram_ratio=st.sampled_from([0.45, 0.7, 1.0]),
        prefetch_depth=st.integers(0, 3), seed=st.integers(0, 1000), dim=st.sampled_from([4, 8, 40]),
-       precision=st.sampled_from(ROW_PRECISIONS), layout=st.sampled_from(["id", "frequency", "table_frequency"]))
+       precision=st.sampled_from(ROW_PRECISIONS), layout=st.sampled_from(["id", "frequency", "table_frequency", "coaccess"]))
 @pytest.mark.slow
 def test_rows_in_a_file_train_bit_for_bit_what_the_host_table_trains(opt_type, dram_ratio, prefetch_depth, seed, dim,
                                                                     precision, layout):
@@ -564,11 +564,14 @@ def test_the_frequency_order_is_a_permutation_with_the_most_used_rows_first(rows
         assert set(by_table.row_at(np.arange(lo, lo + len(seen))).tolist()) == set(seen.tolist())
 
 
-def test_a_file_in_frequency_order_holds_and_returns_every_row_where_the_caller_asks(tmp_path):
+@pytest.mark.parametrize("layout", ["frequency", "coaccess"])
+def test_a_file_in_another_order_holds_and_returns_every_row_where_the_caller_asks(tmp_path, layout):
     from embbench.disk.layout import RowOrder
 
     rng = np.random.default_rng(0)
-    order = RowOrder.by_frequency(20_000, [rng.integers(0, 20_000, 3000) for _ in range(4)])
+    profiled = [rng.integers(0, 20_000, 3000) for _ in range(4)]
+    order = RowOrder.by_frequency(20_000, profiled) if layout == "frequency" else \
+        RowOrder.by_coaccess(20_000, profiled, [np.arange(3000) // 3 for _ in profiled], 102, 500)
     assert len(order.moved) > 1000
     rows = FileRows(tmp_path / "t.rows", 20_000, 10, torch.float32, dram_ratio=0.5, batch_blocks=40, order=order)
     try:
@@ -579,7 +582,7 @@ def test_a_file_in_frequency_order_holds_and_returns_every_row_where_the_caller_
         expected = torch.arange(20_000, dtype=torch.float32)[:, None].repeat(1, 10)
         expected[wanted[:5]] = -1
         assert torch.equal(rows.table(), expected)
-        assert rows.describe()["store_layout"] == "frequency"
+        assert rows.describe()["store_layout"] == layout
     finally:
         rows.close()
 

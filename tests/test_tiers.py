@@ -294,7 +294,7 @@ def test_curve_tiers_prints_the_table_and_writes_the_section(capsys, tmp_path, m
     section = read_tiers(out)
     assert section["format"] == "embbench-tiers-1" and section["iops"] == 37000 and section["step_ms"] == 3
     assert [(e["hbm_policy"], e["layout"], e["dram_policy"]) for e in section["entries"]] == [
-        (p, f, d) for p in ("lru", "lfu", "freqcache", "min") for f in ("id", "frequency", "table_frequency")
+        (p, f, d) for p in ("lru", "lfu", "freqcache", "min") for f in ("id", "frequency", "table_frequency", "coaccess")
         for d in ("lru", "min")]
     assert section["row_bytes"] == 68 and section["rows_per_page"] == 60 and section["counted_steps"] == 4
     damaged = json.loads(out.read_text())

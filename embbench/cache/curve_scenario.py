@@ -14,7 +14,7 @@ from embbench.cache.sweep import freqcache_policy
 from embbench.data import Stream
 from embbench.recommend import format_bytes
 
-__all__ = ["FREQCACHE_PROFILE", "curve_tables", "scenario_curve", "scenario_stream"]
+__all__ = ["FREQCACHE_PROFILE", "curve_tables", "profile_samples", "scenario_curve", "scenario_stream"]
 
 #: freqcache's profiled batches (its ``profile_batches`` default), the first of the warm-up.
 FREQCACHE_PROFILE = 32
@@ -37,6 +37,15 @@ def _training_batches(scenario, batches: int):
         return read[i]
 
     return batch_rows, {t.name: t.num_rows for t in tables}
+
+
+def profile_samples(scenario, profile: int) -> list[np.ndarray]:
+    """The sample of each id of the first ``profile`` training batches (in the order of their
+    global rows): the co-access layout groups rows by it. Read again from the data source: only
+    the profile's batches, never evaluation data."""
+    source = scenario.data_source(torch.device("cpu"), (profile, 0))
+    return [source.batch(Stream.TRAIN, i, scenario.data.batch_size).sparse.sample_of_each_id().numpy()
+            for i in range(profile)]
 
 
 #: The last stream read, with its scenario and length: `curve --tiers` models the tiers on

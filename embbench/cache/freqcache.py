@@ -85,10 +85,11 @@ class FreqCacheParams(StrategyParams):
     io_depth: int = Field(32, ge=1, le=1024, description="store: file: reads the reader keeps in flight")
     drive_probe_s: float = Field(1.0, ge=0, le=60, description="store: file: seconds of random reads at io_depth that "
                                                                "measure the drive at build, for the record (0: off)")
-    store_layout: Literal["id", "frequency", "table_frequency"] = Field(
+    store_layout: Literal["id", "frequency", "table_frequency", "coaccess"] = Field(
         "frequency", description="store: file: rows in pages in id order; frequency: the profile's rows used in more "
                                  "than one batch first, most used first; table_frequency: in each table, the rows the "
-                                 "profile saw first (docs/nvme.md: which reads less where)")
+                                 "profile saw first; coaccess: the rows the device caches first, then the profile's "
+                                 "other rows in pages by the sample that used them (docs/nvme.md: which reads less where)")
 
     @model_validator(mode="after")
     def _file_store_only(self):
@@ -199,7 +200,11 @@ class FreqCache(SparseModule):
 
         # Frequency profile of training batches only (BuildContext never offers eval data): it
         # sizes the window and preloads the most frequent rows.
-        profiled = [self.space.global_rows(batch.sparse.to(self.device)) for batch in ctx.train_batches(params.profile_batches)]
+        profiled, samples = [], []  # samples: each profiled id's sample, for the coaccess layout only
+        for batch in ctx.train_batches(params.profile_batches):
+            profiled.append(self.space.global_rows(batch.sparse.to(self.device)))
+            if params.store == "file" and params.store_layout == "coaccess":
+                samples.append(batch.sparse.sample_of_each_id().cpu().numpy())
         lookahead, window_rows = cache_window([len(rows.unique()) for rows in profiled], n, self.capacity,
                                               self.max_ids, self.row_bytes, params.lookahead, ctx.train_steps)
         self.lookahead = lookahead if params.prefetch else 0
@@ -213,7 +218,7 @@ class FreqCache(SparseModule):
         self.host: Tensor | None = None
         self.file_rows: FileRows | None = None
         if params.store == "file":
-            self.file_rows = self._file_rows(ctx, params, profiled)
+            self.file_rows = self._file_rows(ctx, params, profiled, samples)
             self._closer = weakref.finalize(self, self.file_rows.close)  # also at exit after an error
         else:
             self.host = host_table(n + 1, kind.packed_width(dim, width), self.device, kind.carrier)
@@ -231,7 +236,7 @@ class FreqCache(SparseModule):
         hot = self.planner.profile(profiled)
         warm = self._host_rows(hot).to(self.device)  # preloaded into slots 0..len-1
         self.cache_weights[: len(hot)], self.cache_extras[: len(hot)] = kind.unpack(warm, dim)
-        del profiled, warm
+        del profiled, samples, warm
         self.file_moves = None if self.file_rows is None else FileMoves(
             self.file_rows, self.cache_weights, self.cache_extras, self.max_ids, self.planner.sink, self.planner.pad_row)
 
@@ -555,7 +560,8 @@ class FreqCache(SparseModule):
             return self.file_rows.gather(rows.cpu().numpy())
         return self.host[rows.to(self.host.device)]
 
-    def _file_rows(self, ctx: BuildContext, params: FreqCacheParams, profiled: list[Tensor]) -> FileRows:
+    def _file_rows(self, ctx: BuildContext, params: FreqCacheParams, profiled: list[Tensor],
+                   samples: list[np.ndarray]) -> FileRows:
         """The row file, made and filled with the initial weights a chunk at a time (never the
         whole table in memory). Host memory is sized by the profiled batches' blocks."""
         kind, dim, width = self.kind, self.dim, self.optimizer.state_width
@@ -563,9 +569,11 @@ class FreqCache(SparseModule):
         if folder is None:
             raise Unsupported("store: file needs store_dir (this harness gives the cell no folder of its own)")
         on_host = [rows.cpu().numpy() for rows in profiled]
-        order = store_order(params.store_layout, self.num_rows, on_host, self.space.starts.tolist())
+        layout = PageLayout(self.num_rows, self.row_bytes)
+        order = store_order(params.store_layout, self.num_rows, on_host, self.space.starts.tolist(), samples,
+                            layout.rows_per_page, self.capacity)
         rows = FileRows.create(folder, ctx.env.rank, self.num_rows, kind.packed_width(dim, width), kind.carrier,
-                               params.dram_ratio, batch_blocks=batch_blocks(on_host, PageLayout(self.num_rows, self.row_bytes), order),
+                               params.dram_ratio, batch_blocks=batch_blocks(on_host, layout, order),
                                io_depth=params.io_depth, order=order, table_starts=self.space.starts.numpy())
         rounded = None if kind.exact else kind
 
@@ -844,13 +852,17 @@ class _StreamRecorder:
         return [self.buffer[i, :n].long() for i, n in enumerate(self.lengths)]
 
 
-def store_order(store_layout: str, num_rows: int, profiled: list[np.ndarray], table_starts: list[int]) -> RowOrder | None:
+def store_order(store_layout: str, num_rows: int, profiled: list[np.ndarray], table_starts: list[int],
+                samples: list[np.ndarray] | None = None, rows_per_page: int = 1, cached: int = 0) -> RowOrder | None:
     """Where ``store: file`` places each row (``store_layout``; None: in id order), from the
-    profiled batches' rows: the build and the preflight place them alike."""
+    profiled batches' rows (``coaccess``: and each one's sample, the rows a page holds and the
+    rows the device caches): the build and the preflight place them alike."""
     if store_layout == "frequency":
         return RowOrder.by_frequency(num_rows, profiled)
     if store_layout == "table_frequency":
         return RowOrder.by_table_frequency(num_rows, profiled, table_starts)
+    if store_layout == "coaccess":
+        return RowOrder.by_coaccess(num_rows, profiled, samples or [], rows_per_page, cached)
     return None
 
 
@@ -893,13 +905,19 @@ class FreqCacheStrategy(Strategy):
             refusal = None
             if train_batches is not None and world_size == 1:  # the profile the build sizes host memory by
                 space = RowSpace(tables)
-                profiled = [space.global_rows(batch.sparse).numpy() for batch in train_batches(self.params.profile_batches)]
-                order = store_order(self.params.store_layout, n, profiled, space.starts.tolist())
+                features = [batch.sparse for batch in train_batches(self.params.profile_batches)]
+                profiled = [space.global_rows(f).numpy() for f in features]
+                samples = [f.sample_of_each_id().numpy() for f in features] \
+                    if self.params.store_layout == "coaccess" else None
+                order = store_order(self.params.store_layout, n, profiled, space.starts.tolist(), samples,
+                                    layout.rows_per_page, cached)
                 refusal = host_memory_problem(layout, self.params.dram_ratio, batch_blocks(profiled, layout, order))
-            # the frequency layout's map: 8 bytes a row it moves (the rows used twice or more in the
-            # profile, and as many rows they displace: at most one per profiled id)
-            moved = 0 if self.params.store_layout == "id" or local_batch_size is None else \
-                min(n, self.params.profile_batches * local_batch_size * sum(t.bag_size for t in tables))
+            # a layout's map: 8 bytes a row it moves. frequency: the rows used twice or more in the
+            # profile, and as many rows they displace: at most one per profiled id. coaccess: the
+            # profile's rows, as many they displace, and fewer gaps than those rows: three per id.
+            moves_per_id = {"id": 0, "coaccess": 3}.get(self.params.store_layout, 1)
+            moved = 0 if local_batch_size is None else \
+                min(n, moves_per_id * self.params.profile_batches * local_batch_size * sum(t.bag_size for t in tables))
             ids = 0 if local_batch_size is None else local_batch_size * sum(t.bag_size for t in tables)
             moves_device, moves_host = FileMoves.footprint(blocks, moved, ids, row_bytes)  # the moves' map and ring
             return MemoryFootprint(device_bytes=device + moves_device,

@@ -279,11 +279,14 @@ def _entry(c: _Totals, steps: int, row_bytes: int, iops: float | None, step_ms: 
 
 def tier_model(steps: list[np.ndarray], num_rows: int, row_bytes: int, sizes: TierSizes, policies, skip: int = 0,
                seed: int = 0, freqcache=None, iops: float | None = None, step_ms: float | None = None,
-               profile: int = 0, layouts=ROW_ORDERS, table_starts=(0,)) -> dict:
+               profile: int = 0, layouts=None, table_starts=(0,), samples: list[np.ndarray] | None = None) -> dict:
     """The ``tiers`` section of a curve file: every device policy of ``policies`` with every
-    host policy of :data:`DRAM_POLICIES` and every file layout of ``layouts`` (``frequency``:
-    ordered by the first ``profile`` batches, as freqcache's store orders its file), on
-    ``steps`` (each batch's global rows), counted over the batches from ``skip``.
+    host policy of :data:`DRAM_POLICIES` and every file layout of ``layouts`` (default: all
+    of :data:`~embbench.disk.layout.ROW_ORDERS`, less ``coaccess`` where ``samples`` is not
+    given; ordered by the first ``profile`` batches, as freqcache's store orders its file;
+    ``coaccess`` needs ``samples``, the sample of each id of those batches, and keeps the
+    rows of the device cache freqcache would have, or of the ``hbm`` share without it,
+    first), on ``steps`` (each batch's global rows), counted over the batches from ``skip``.
     ``freqcache``: its planner on the same batches (:func:`embbench.cache.sweep.freqcache_policy`),
     needed where ``policies`` has it; it gets the ``hbm`` share's rows less its staging slots
     (two batches' rows, which it holds beside its cache), and no entry where they leave none."""
@@ -293,11 +296,18 @@ def tier_model(steps: list[np.ndarray], num_rows: int, row_bytes: int, sizes: Ti
     layout = PageLayout(num_rows, row_bytes)
     hbm_rows, dram_pages = capacity_of(sizes.hbm, num_rows), capacity_of(sizes.dram, layout.pages)
     s = step_rows(steps)
-    orders = {"id": None, "frequency": RowOrder.by_frequency(num_rows, steps[:profile]),
-              "table_frequency": RowOrder.by_table_frequency(num_rows, steps[:profile], table_starts)}
-    orders = {name: orders[name] for name in layouts}
     staging = DevicePlanner.slots_for(num_rows, 0, max(map(len, steps)))
     freqcache_rows = hbm_rows - staging  # its cache, within the hbm share with its staging slots
+    if layouts is None:
+        layouts = [name for name in ROW_ORDERS if name != "coaccess" or samples is not None]
+    if "coaccess" in layouts and samples is None:
+        raise ValueError("the coaccess layout needs the sample of each profiled id (samples=)")
+    device_rows = freqcache_rows if "freqcache" in policies and freqcache_rows >= 1 else hbm_rows
+    builders = {"id": lambda: None, "frequency": lambda: RowOrder.by_frequency(num_rows, steps[:profile]),
+                "table_frequency": lambda: RowOrder.by_table_frequency(num_rows, steps[:profile], table_starts),
+                "coaccess": lambda: RowOrder.by_coaccess(num_rows, steps[:profile], (samples or [])[:profile],
+                                                         layout.rows_per_page, device_rows)}
+    orders = {name: builders[name]() for name in layouts}
     entries = []
     for policy in policies:
         if policy == "freqcache" and freqcache_rows < 1:
@@ -328,14 +338,16 @@ def scenario_tiers(scenario, sizes: TierSizes, policies, warmup: int = 48, steps
     from embbench.cache.curve_scenario import scenario_stream
     from embbench.row_precision import row_type
 
+    from embbench.cache.curve_scenario import FREQCACHE_PROFILE, profile_samples
+
     stream, table_rows, freqcache = scenario_stream(scenario, warmup, steps)
     precision = scenario.run.row_precisions[0]
     row_bytes = row_type(precision).row_bytes(scenario.data.embedding_dim, scenario.optimizer.embedding.state_width)
-    from embbench.cache.curve_scenario import FREQCACHE_PROFILE
-
+    profile = min(FREQCACHE_PROFILE, warmup)
     starts = np.concatenate([[0], np.cumsum(list(table_rows.values()))[:-1]]).astype(np.int64)
     section = tier_model(stream, sum(table_rows.values()), row_bytes, sizes, policies, warmup, scenario.run.seed,
-                         freqcache, iops, step_ms, profile=min(FREQCACHE_PROFILE, warmup), table_starts=starts)
+                         freqcache, iops, step_ms, profile=profile, table_starts=starts,
+                         samples=profile_samples(scenario, profile))
     section["row_precision"] = precision
     return section
 
@@ -378,7 +390,7 @@ class _Nvme(TypedDict):
 class _Entry(TypedDict):
     hbm_policy: Literal["lru", "lfu", "freqcache", "min"]
     dram_policy: Literal["lru", "min"]
-    layout: NotRequired[Literal["id", "frequency", "table_frequency"]]  # (files before issue 48: id)
+    layout: NotRequired[Literal["id", "frequency", "table_frequency", "coaccess"]]  # (files before issue 48: id)
     hbm: _Hbm
     dram: _Dram
     nvme: _Nvme
@@ -492,6 +504,7 @@ def tiers_table(section: dict, title: str = "stream") -> Table:
     table.caption = (f"HBM hit: per access / per distinct row, served without a read from host memory{staged}. Host hit: per access of all / of those reaching host "
                      "memory. Drive: 4 KiB pages read (host misses, and pages read to merge a written row) and "
                      "written (dirty pages leaving) a batch; read amp: bytes read over the needed rows' bytes; file: rows "
-                     "in pages in id order, or the profile's most used rows first"
+                     "in pages in id order, the profile's most used rows first (frequency, table_frequency), or the "
+                     "rows the device caches first and the others in pages by the sample that used them (coaccess)"
                      + ("; a batch's reads at the drive's rate, issued with enough in flight" if s["iops"] else ""))
     return table

@@ -42,6 +42,11 @@ class SparseFeatures:
             torch.arange(self.num_tables, device=self.values.device), per_table, output_size=self.values.numel()
         )
 
+    def sample_of_each_id(self) -> Tensor:
+        """For every entry of ``values``, the index of its sample in the batch."""
+        samples = torch.arange(self.batch_size, device=self.values.device).repeat(self.num_tables)
+        return torch.repeat_interleave(samples, self.lengths, output_size=self.values.numel())
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":
         return SparseFeatures(
             self.values.to(device, non_blocking=non_blocking),

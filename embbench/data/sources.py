@@ -16,7 +16,7 @@ import torch
 
 from embbench.data.criteo import NUM_TABLES, CriteoDataset, CriteoSource, Progress, input_files, prepare_dataset
 from embbench.data.presets import TableSpec, make_tables, scaled_rows
-from embbench.data.synthetic import Stream, SyntheticCriteo
+from embbench.data.synthetic import CoAccess, Stream, SyntheticCriteo
 from embbench.data.trace import Trace, TraceSource
 
 if TYPE_CHECKING:
@@ -158,7 +158,8 @@ def open_source(data: "DataConfig", run: "RunConfig", device: torch.device | str
     tables = source_tables(data)
     if data.source == "synthetic":
         drift = {} if data.drift is None else {"drift_every": data.drift.every, "drift_fraction": data.drift.fraction}
-        return SyntheticCriteo(tables, run.seed, device, **drift)
+        coaccess = None if data.coaccess is None else CoAccess(**data.coaccess.model_dump())
+        return SyntheticCriteo(tables, run.seed, device, **drift, coaccess=coaccess)
     check_rows(data, run, stream_rows(data), batches)
     if data.source == "criteo_tsv":
         return CriteoSource(criteo_dataset(data), device)

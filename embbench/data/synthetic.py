@@ -8,6 +8,11 @@ a linear term in the dense features), so a model can learn them.
 Batches are addressed by ``(stream, index)``: the training and evaluation streams are
 disjoint draws, and any batch can be regenerated without replaying the stream.
 
+Co-access (off by default): a share of the samples are drawn from latent *entities* (a
+user, a session) instead of independently per table: the entity is drawn from its own Zipf
+law, and each of its ids is a fixed function of the entity (:class:`CoAccess`), so the same
+rows recur together, across tables and within a bag.
+
 Speed: the random numbers are drawn table by table, in the same calls and order as ever (so
 the batches stay the same), but all the arithmetic after the draws runs once for each group
 of tables with the same bag size and Zipf exponent (``[tables, ids]`` blocks), so a batch
@@ -27,7 +32,7 @@ from torch import Tensor
 from embbench.data.batch import Batch, SparseFeatures
 from embbench.data.presets import NUM_DENSE_FEATURES, TableSpec
 
-__all__ = ["DRIFT_HOT_SHARE", "Stream", "SyntheticCriteo", "ZipfSampler", "first_sample"]
+__all__ = ["DRIFT_HOT_SHARE", "CoAccess", "Stream", "SyntheticCriteo", "ZipfSampler", "first_sample"]
 
 #: Drift remaps a share of each table's hot ids: the hot ids are its most popular 1 % of rows.
 DRIFT_HOT_SHARE = 0.01
@@ -154,6 +159,32 @@ class _Scatter:
         return (ranks * self.a + self.b) % self.n
 
 
+@dataclass(frozen=True)
+class CoAccess:
+    """Samples drawn from latent entities, whose rows recur together.
+
+    A ``share`` of the samples (each sample chosen at random) take every id from one entity
+    instead of drawing each table's ids on its own. The entity is drawn from a Zipf law of
+    exponent ``alpha`` over ``entities`` entities; id ``j`` of entity ``e``'s bag in table
+    ``t`` is the table's ``(e * bag + j) mod rows``-th place under a bijection of the table's
+    own (not the one that places the independent draws' popular ids). So an entity's rows are
+    fixed: whenever it is drawn its rows are used together, in every table and within a bag.
+    Entities do not drift.
+    """
+
+    share: float
+    entities: int
+    alpha: float = 1.15
+
+    def __post_init__(self):
+        if not 0.0 < self.share <= 1.0:
+            raise ValueError(f"CoAccess: share must lie in (0, 1], got {self.share}")
+        if self.entities < 1:
+            raise ValueError(f"CoAccess: entities must be at least 1, got {self.entities}")
+        if not self.alpha >= 0:
+            raise ValueError(f"CoAccess: alpha must be >= 0, got {self.alpha}")
+
+
 def _phase(table_seed: int) -> float:
     return (table_seed % 10007) / 10007.0 * 2 * math.pi
 
@@ -171,7 +202,7 @@ class _Group:
     search finds what its own CDF would)."""
 
     def __init__(self, indices: list[int], bag: int, samplers: list[ZipfSampler], scatters: list[_Scatter],
-                 phases: list[float], weights: Tensor, device: torch.device):
+                 phases: list[float], weights: Tensor, device: torch.device, entity_maps: list[_Scatter] | None = None):
         self.indices, self.bag = indices, bag
         self.term_rows = torch.tensor(indices, device=device) + 1  # where the logit's terms go
         self.alpha = samplers[0].alpha
@@ -193,15 +224,25 @@ class _Group:
         self.scatter_b = column([s.b for s in scatters], torch.long)
         self.phase = column(phases)
         self.weights = weights[self.term_rows - 1].view(-1, 1)
+        self.entity_a = column([e.a for e in entity_maps], torch.long) if entity_maps else None
+        self.entity_b = column([e.b for e in entity_maps], torch.long) if entity_maps else None
 
-    def ids_and_terms(self, uniforms: Tensor, remap) -> tuple[Tensor, Tensor]:
+    def ids_and_terms(self, uniforms: Tensor, remap, entities: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The group's ids ``[tables, B * bag]`` from its draws (``[tables, B * bag]`` in
         ``[0, 1)``), and each table's term of the logit ``[tables, B]``. ``remap`` turns
-        popularity ranks into base ranks (drift); None keeps them."""
+        popularity ranks into base ranks (drift); None keeps them. ``entities`` (``[B]``, -1
+        for an independent sample): the samples whose ids are their entity's."""
         ranks = _zipf_ranks(uniforms * self.total, self.head_cdf, self.alpha, self.tail, self.n)
         if remap is not None:
             ranks = remap(ranks)
         ids = (ranks * self.scatter_a + self.scatter_b) % self.n
+        if entities is not None:
+            # id j of an entity's bag: its (entity * bag + j)-th place, scattered by the table's
+            # own bijection (reduced first: no product overflows)
+            slots = (entities.clamp_min(0) * self.bag).repeat_interleave(self.bag) + \
+                torch.arange(self.bag, device=ids.device).repeat(entities.numel())
+            own = ((slots.view(1, -1) % self.n) * self.entity_a + self.entity_b) % self.n
+            ids = torch.where((entities >= 0).repeat_interleave(self.bag).view(1, -1), own, ids)
         effect = _hash_effect(ids, self.phase).view(len(self.indices), -1, self.bag).mean(2)
         return ids, self.weights * effect
 
@@ -298,10 +339,12 @@ class SyntheticCriteo:
             (batch ``index`` of either stream sees the popularity of epoch
             ``index // drift_every``, see :class:`_Drift`); None: never.
         drift_fraction: the share of each table's hot ids remapped at each drift epoch.
+        coaccess: samples drawn from entities (:class:`CoAccess`); None: every id drawn on
+            its own (the batches are then exactly those of a generator without the option).
     """
 
     def __init__(self, tables: list[TableSpec], seed: int, device: torch.device | str = "cpu",
-                 drift_every: int | None = None, drift_fraction: float = 0.0):
+                 drift_every: int | None = None, drift_fraction: float = 0.0, coaccess: CoAccess | None = None):
         if drift_every is not None and drift_every < 1:
             raise ValueError(f"SyntheticCriteo: drift_every must be a positive number of batches, got {drift_every}")
         if not 0.0 <= drift_fraction <= 1.0:
@@ -323,12 +366,16 @@ class SyntheticCriteo:
         )
         self.bias = -1.0  # about a quarter of the labels positive, as in Criteo
         # Tables without a tail (at most 4096 rows) skip its arithmetic, as before.
+        self.coaccess = coaccess
+        self._entity_sampler = ZipfSampler(coaccess.entities, coaccess.alpha, self.device) if coaccess else None
+        entity_maps = [_Scatter(t.num_rows, _mix(seed, 7, i)) for i, t in enumerate(tables)] if coaccess else None
         by_key: dict[tuple[int, float, bool], list[int]] = {}
         for i, t in enumerate(tables):
             by_key.setdefault((t.bag_size, t.alpha, self.samplers[i].tail is None), []).append(i)
         self.groups = [
             _Group(idx, tables[idx[0]].bag_size, [self.samplers[i] for i in idx], [self.scatters[i] for i in idx],
-                   [_phase(_mix(seed, 4, i)) for i in idx], self.table_weights, self.device)
+                   [_phase(_mix(seed, 4, i)) for i in idx], self.table_weights, self.device,
+                   [entity_maps[i] for i in idx] if entity_maps else None)
             for idx in by_key.values()
         ]
         self.drift_every = drift_every
@@ -362,7 +409,8 @@ class SyntheticCriteo:
         return [lambda ranks, k=k, v=v: _Drift.lookup(k, v, ranks) for k, v in self._drift_maps[1]]
 
     def hot_ids(self, table: int, count: int, index: int = 0) -> Tensor:
-        """The ``count`` most popular ids of a table at batch ``index``, hottest first."""
+        """The ``count`` most popular ids of a table's independent draws at batch ``index``,
+        hottest first (co-access's entities place theirs elsewhere)."""
         count = min(count, self.tables[table].num_rows)
         ranks = torch.arange(count)
         if self._drift is not None and index // self.drift_every > 0:
@@ -386,28 +434,37 @@ class SyntheticCriteo:
         batches after a drift change never are)."""
         return self._graphs.get(batch_size) is not None
 
+    def _entities(self, batch_size: int) -> Tensor:
+        """Each sample's entity (-1: its ids are drawn independently), from the generator."""
+        g = self._generator
+        chosen = torch.rand(batch_size, generator=g, device=self.device, dtype=torch.float64) < self.coaccess.share
+        return torch.where(chosen, self._entity_sampler.sample(batch_size, g), -1)
+
     def _make(self, batch_size: int, remaps: list) -> Batch:
         """A batch from the generator as seeded (no host synchronisation: CUDA graphs can hold it)."""
         g = self._generator
         # The draws, table by table in table order, then dense, then labels: the random
-        # stream every batch has always used (each table's draw lands in its group's row).
+        # stream every batch has always used (each table's draw lands in its group's row);
+        # co-access draws after them, so without it the batches are unchanged.
         uniforms = [torch.empty(len(grp.indices), batch_size * grp.bag, dtype=torch.float64, device=self.device)
                     for grp in self.groups]
         rows = [u.unbind(0) for u in uniforms]
         for group, row in self._row_of_table:
             rows[group][row].uniform_(generator=g)
+        dense = torch.randn(batch_size, NUM_DENSE_FEATURES, generator=g, device=self.device)
+        label_draws = torch.rand(batch_size, generator=g, device=self.device, dtype=torch.float64)
+        entities = self._entities(batch_size) if self.coaccess else None  # drawn after all the above
         # Row 0 the bias, row 1 + i table i's term of the logit.
         terms = torch.empty(len(self.tables) + 1, batch_size, dtype=torch.float64, device=self.device)
         terms[0] = self.bias
         ids = []
         for group, u, remap in zip(self.groups, uniforms, remaps):
-            group_ids, group_terms = group.ids_and_terms(u, remap)
+            group_ids, group_terms = group.ids_and_terms(u, remap, entities)
             terms.index_copy_(0, group.term_rows, group_terms)
             ids.append(group_ids)
         logit = _sum_rows_in_order(terms)
-        dense = torch.randn(batch_size, NUM_DENSE_FEATURES, generator=g, device=self.device)
         logit += dense.double() @ self.dense_weights
-        labels = (torch.rand(batch_size, generator=g, device=self.device, dtype=torch.float64) < torch.sigmoid(logit)).float()
+        labels = (label_draws < torch.sigmoid(logit)).float()
         rows = [i.unbind(0) for i in ids]
         values = torch.cat([rows[group][row] for group, row in self._row_of_table])
         lengths = self._bags.view(-1, 1).expand(-1, batch_size).reshape(-1)

@@ -68,9 +68,11 @@ class PageLayout:
 
 #: How rows are placed in the file: ``id`` (row r at place r), ``frequency`` (the profile's
 #: rows used in more than one batch at the file's first places, most used first: hot rows share
-#: pages) or ``table_frequency`` (in each table's own range, every row the profile saw first,
-#: most used first: the rows of a table that were seen share pages, away from its unseen ones).
-ROW_ORDERS = ("id", "frequency", "table_frequency")
+#: pages), ``table_frequency`` (in each table's own range, every row the profile saw first,
+#: most used first: the rows of a table that were seen share pages, away from its unseen ones)
+#: or ``coaccess`` (the rows the device caches first, then the profile's other rows in pages by
+#: the sample that used them: rows used together, across tables, share a page).
+ROW_ORDERS = ("id", "frequency", "table_frequency", "coaccess")
 
 
 class RowOrder:
@@ -100,26 +102,105 @@ class RowOrder:
         return cls._ordered(rows, profiled, list(table_starts), 1, "table_frequency")
 
     @classmethod
+    def by_coaccess(cls, rows: int, profiled: list[np.ndarray], samples: list[np.ndarray], rows_per_page: int,
+                    cached: int) -> "RowOrder":
+        """``coaccess``: rows placed so that a page holds rows the profile used together.
+
+        At the file's first places, as ``frequency`` places them, the rows the device caches
+        (at most ``cached``: the profile's rows used in two batches or more, most used first;
+        they are rarely read). From the next page on, every other row the profile used, in
+        groups: a group is the rows whose first use was by one sample (``samples[i]``: the
+        sample of each id of ``profiled[i]``), across tables; groups follow in the order of
+        their samples, and a group that does not fit in what is left of a page starts the next
+        one (the gap keeps rows the profile never used; a group larger than a page fills
+        pages of its own). So when a sample's rows are used together again they come in one
+        read, not one a row."""
+        if not profiled:
+            return cls(rows, "coaccess")
+        if len(samples) != len(profiled) or any(len(r) != len(s) for r, s in zip(profiled, samples)):
+            raise ValueError("the coaccess layout needs the sample of every profiled id (one array a batch, "
+                             "the length of its rows)")
+        seen, counts = cls._batch_counts(profiled)
+        often = counts >= 2
+        hot = seen[often][np.lexsort((seen[often], -counts[often]))][:max(0, cached)]
+        ids = np.concatenate([np.asarray(b, np.int64) for b in profiled])
+        offsets = np.cumsum([0] + [int(np.max(s)) + 1 if len(s) else 0 for s in samples[:-1]])
+        sample = np.concatenate([np.asarray(s, np.int64) + o for s, o in zip(samples, offsets)])
+        used, first = np.unique(ids, return_index=True)  # each row's first use (used is seen)
+        cold = ~np.isin(used, hot, assume_unique=True)
+        used, group, used_in = used[cold], sample[first[cold]], counts[cold]
+        # most used first, then by first sample: a group is the rows a sample used first that
+        # were used as often (an entity's rows recur together, so they count alike)
+        in_order = np.lexsort((used, group, -used_in))
+        used, group, used_in = used[in_order], group[in_order], used_in[in_order]
+        new = np.r_[True, (group[1:] != group[:-1]) | (used_in[1:] != used_in[:-1]), True]
+        sizes = np.diff(np.flatnonzero(new)) if len(used) else np.empty(0, int)
+        start = -(-len(hot) // rows_per_page) * rows_per_page  # the page after the cached rows
+        starts = cls._pack(sizes, start, rows_per_page)
+        if len(sizes) and (starts + sizes).max() > rows:  # no room for the gaps: one after another
+            starts = len(hot) + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        within = np.arange(len(used)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        places = np.concatenate([np.arange(len(hot), dtype=np.int64), np.repeat(starts, sizes) + within])
+        return cls._arranged(rows, "coaccess", np.concatenate([hot, used]), places)
+
+    @staticmethod
+    def _pack(sizes: np.ndarray, start: int, rows_per_page: int) -> np.ndarray:
+        """Where each group of ``sizes`` rows starts, in pages from place ``start`` (a page
+        boundary), each group in turn: in the fullest page it fits in whole (best fit), else
+        in a new page; a group larger than a page takes new pages of its own, its last one
+        open to later groups."""
+        starts = np.empty(len(sizes), np.int64)
+        room: list[list[int]] = [[] for _ in range(rows_per_page)]  # room[r]: pages with r places left
+        page = start // rows_per_page  # the next new page
+        for i, size in enumerate(sizes.tolist()):
+            left = next((r for r in range(size, rows_per_page) if room[r]), None)
+            if left is None:  # new pages
+                at, taken = page * rows_per_page, -(-size // rows_per_page)
+                page += taken
+                left = taken * rows_per_page - size
+                if left:
+                    room[left].append(page - 1)
+            else:
+                p = room[left].pop()
+                at = p * rows_per_page + rows_per_page - left
+                left -= size
+                if left:
+                    room[left].append(p)
+            starts[i] = at
+        return starts
+
+    @staticmethod
+    def _batch_counts(profiled: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows the profiled batches used (sorted), and in how many batches each."""
+        return np.unique(np.concatenate([np.unique(np.asarray(b, np.int64)) for b in profiled]), return_counts=True)
+
+    @classmethod
     def _ordered(cls, rows: int, profiled: list[np.ndarray], starts: list[int], min_batches: int, name: str):
         if not profiled:
             return cls(rows, name)
-        seen, counts = np.unique(np.concatenate([np.unique(np.asarray(b, np.int64)) for b in profiled]),
-                                 return_counts=True)
+        seen, counts = cls._batch_counts(profiled)
         keep = counts >= min_batches
         seen, counts = seen[keep], counts[keep]
-        moved, places = [], []
+        placed, places = [], []
         for lo, hi in zip(starts, [*starts[1:], rows]):
             a, b = np.searchsorted(seen, [lo, hi])
             hot = seen[a:b][np.lexsort((seen[a:b], -counts[a:b]))]  # most used first, ties by id
-            k = len(hot)
-            displaced = np.setdiff1d(np.arange(lo, lo + k, dtype=np.int64), hot, assume_unique=True)  # in the hot places
-            vacated = np.sort(hot[hot >= lo + k])  # the places the hot rows leave
-            moved += [hot, displaced]
-            places += [np.arange(lo, lo + k, dtype=np.int64), vacated]
-        moved, places = np.concatenate(moved), np.concatenate(places)
-        stays = moved == places
+            placed.append(hot)
+            places.append(np.arange(lo, lo + len(hot), dtype=np.int64))
+        return cls._arranged(rows, name, np.concatenate(placed), np.concatenate(places))
+
+    @classmethod
+    def _arranged(cls, rows: int, name: str, placed: np.ndarray, places: np.ndarray) -> "RowOrder":
+        """``placed`` rows at ``places`` (distinct); each row whose place they take (places
+        not among the placed rows' ids) goes, in order, to a place they leave (placed rows'
+        ids not among the places): a permutation that moves as few rows as that allows."""
+        placed, places = np.asarray(placed, np.int64), np.asarray(places, np.int64)
+        displaced = np.setdiff1d(places, placed)  # sorted
+        vacated = np.setdiff1d(placed, places)  # sorted, as many
+        moved, to = np.concatenate([placed, displaced]), np.concatenate([places, vacated])
+        stays = moved == to
         order = np.argsort(moved[~stays], kind="stable")
-        return cls(rows, name, moved[~stays][order], places[~stays][order])
+        return cls(rows, name, moved[~stays][order], to[~stays][order])
 
     def place(self, rows: np.ndarray) -> np.ndarray:
         """Each row's place in the file."""
