@@ -185,3 +185,23 @@ def test_the_record_has_the_training_thread_s_host_time_a_timed_step(tmp_path):
     _, metrics = train_and_flush(tiny_scenario(run={"warmup_steps": 2, "steps": 4, "repeats": 2}), "freqcache",
                                  {"cache_ratio": 0.05}, tmp_path=tmp_path)
     assert 0 < metrics["host_step_us_per_step"] <= 1e6 * metrics["step_time_s"]["mean"]
+
+
+def test_a_batch_s_reads_are_counted_when_its_rows_load_with_the_misses_they_bring(tmp_path):
+    """Pages read for a batch and the rows they bring (host memory's misses) are counted at the
+    batch's loads, in the same step: a window of counted steps sees both or neither, so its read
+    amplification never counts pages without their rows (it did at the window's edges when pages
+    were counted at the release, two batches later)."""
+    rows = FileRows(tmp_path / "t.rows", 4000, 6, torch.float32, dram_ratio=1.0, batch_blocks=8)
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 6))
+        batch = np.array([5, 400, 900])  # three pages of 170 rows
+        rows.announce(0, batch)
+        rows.ready_for(0)
+        rows.count_loads(batch, 0)
+        c = rows.counters()
+        assert (c["nvme_pages_read"], c["dram_load_misses"]) == (3, 3)
+        rows.release(0)
+        assert rows.counters()["nvme_pages_read"] == 3  # (not counted again)
+    finally:
+        rows.close()

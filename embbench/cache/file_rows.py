@@ -176,8 +176,9 @@ class FileRows:
         self._writes: deque[tuple[np.ndarray, Transfer | Future]] = deque()  # in flight, in order
         self._queued: deque[tuple[int, np.ndarray]] = deque()  # announced, not issued: (number, blocks)
         self._pinned: dict[int, np.ndarray] = {}  # issued batch -> its slots
-        # an announced batch's reads and writes, counted when its rows have moved (its reads may
-        # be issued many batches before: the step that uses them is the one they serve)
+        # an announced batch's reads and writes, counted when its rows move (its reads may be
+        # issued many batches before: the step that loads them is the one they serve, and the one
+        # that counts the rows they bring)
         self._issued: dict[int, list[tuple[int, int]]] = {}
         self.counts = dict.fromkeys(STORE_COUNTERS, 0)
         # blocks whose slot changed since the device's block map was last told (FileMoves)
@@ -318,6 +319,7 @@ class FileRows:
         with self._lock:
             self._issue(upto=number)
             self._wait_for(number)
+            self._count_issued(number)
             blocks = np.fromiter(self._changed, np.int64, len(self._changed))
             self._changed.clear()
             return blocks, self.block_slot[blocks]
@@ -363,11 +365,15 @@ class FileRows:
             self._registered = address
         return host_view_on(flat.view(self.capacity, -1), device)
 
-    def _release(self, number: int) -> None:
+    def _count_issued(self, number: int) -> None:
+        """Batch ``number``'s reads and writes, into the counters (once)."""
         for pages_read, pages_written in self._issued.pop(number, []):
             self.counts["nvme_pages_read"] += pages_read
             self.counts["nvme_pages_read_ahead"] += pages_read
             self.counts["nvme_pages_written"] += pages_written
+
+    def _release(self, number: int) -> None:
+        self._count_issued(number)  # (a batch the host moved: not counted at its loads)
         slots = self._pinned.pop(number, None)
         if slots is not None:
             self._wait_for(number)  # (done by now): an unpinned slot must hold what it says
