@@ -73,6 +73,10 @@ class FileMoves:
         self.sink, self.pad_row, self.max_ids, self.depth = sink, pad_row, max_ids, depth
         self.row_words = rows.row_bytes // 4
         self.triton = row_copy.triton_problem(device) is None
+        # torch's copies: on a CPU the padded entries are dropped first; on CUDA (without Triton)
+        # that would be a host read, so they are padded there (a test checks CUDA's ops on a CPU
+        # with this off)
+        self.compact = not self.cuda
         # host memory's slots as the device sees them: [slots, block words]
         self.slots = rows.device_slots(device)
         self.block_slot = torch.full((rows.blocks,), -1, dtype=torch.int64, device=device)
@@ -226,6 +230,9 @@ class FileMoves:
         go = index >= 0
         inside = torch.arange(len(slots), device=self.device) < live.reshape(-1)[:1]
         go = go & inside
+        if self.compact:  # the live entries only (on a CPU, where reading which they are costs no wait)
+            live_entries = go.nonzero().flatten()
+            slots, index, go = slots[live_entries], index[live_entries], go[live_entries]
         blocks = host.view(-1, host.shape[-1])
         per, width = rows_per_block, self.row_words
         rows = blocks.as_strided((blocks.shape[0], per, width), (blocks.shape[1], width, 1))
