@@ -206,3 +206,24 @@ def test_a_batch_s_reads_are_counted_when_its_rows_load_with_the_misses_they_bri
         assert rows.counters()["nvme_pages_read"] == 3  # (not counted again)
     finally:
         rows.close()
+
+
+def test_a_row_read_for_a_later_batch_and_first_loaded_by_an_earlier_one_is_that_one_s_miss(tmp_path):
+    """Batch 1 is announced with row 5 and its page is read; batch 0 is then announced with row 5
+    too (the device evicted it after batch 0 entered the window) and loads it first: host memory
+    lacked it when batch 0 needed it, so it is batch 0's miss. Every page read then has its
+    useful row: read amplification is one row a page, not more."""
+    rows = FileRows(tmp_path / "t.rows", 4000, 6, torch.float32, dram_ratio=1.0, batch_blocks=8)
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 6))
+        rows.announce(0, np.array([900]))
+        rows.announce(1, np.array([5]))
+        rows.announce(0, np.array([5]))  # (again, with the row the device has evicted since)
+        rows.ready_for(0)
+        rows.count_loads(np.array([900, 5]), 0)
+        rows.ready_for(1)
+        rows.count_loads(np.array([], dtype=np.int64), 1)  # (batch 1 finds row 5 on the device)
+        c = rows.counters()
+        assert (c["nvme_pages_read"], c["dram_loads"], c["dram_load_misses"]) == (2, 2, 2)
+    finally:
+        rows.close()

@@ -337,14 +337,15 @@ class FileRows:
     @_locked(False)
     def count_loads(self, rows: np.ndarray, number: int) -> None:
         """(Counted steps: an instrument.) The rows batch ``number``'s moves loaded on the device
-        from host memory, and those its announcement read from the drive (host memory's misses);
+        from host memory, and those host memory lacked when it was announced (its misses: their
+        block was read for it, or for a later batch announced first whose read it used first);
         each was announced, so its block is pinned and holds it."""
         places = self.order.place(rows)
         slots = self.block_slot[places // self.rows_per_block]
         if (slots < 0).any():
             raise RuntimeError(f"{self.path}: batch {number} loaded rows no announcement brought into host memory "
                                f"(rows {rows[slots < 0][:5].tolist()}): the device read a block that is not there")
-        missed = self.read_for[slots] == number
+        missed = self.read_for[slots] >= number  # (read for it, or for a later batch and first used by it)
         self.counts["dram_loads"] += len(rows)
         self.counts["dram_load_misses"] += int(missed.sum())
         if self.counting:
@@ -637,7 +638,7 @@ class FileRows:
         if not self.ready[slots].all():
             self._wait_for(int(self.filled_by[slots[~self.ready[slots]]].max()))
         self._touch(slots)
-        missed = on_demand if number is None else on_demand | (self.read_for[slots] == number)
+        missed = on_demand if number is None else on_demand | (self.read_for[slots] >= number)
         return slots, rows % self.rows_per_block, missed
 
     def _read_on_demand(self, blocks: np.ndarray, keep: np.ndarray) -> None:
