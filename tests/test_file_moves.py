@@ -227,3 +227,25 @@ def test_a_row_read_for_a_later_batch_and_first_loaded_by_an_earlier_one_is_that
         assert (c["nvme_pages_read"], c["dram_loads"], c["dram_load_misses"]) == (2, 2, 2)
     finally:
         rows.close()
+
+
+def test_a_batch_s_pages_are_used_when_its_rows_load_not_only_when_announced(tmp_path):
+    """Batch 0 (page A) is announced before batch 1 (page B), but loads after it was announced:
+    host memory evicts B first, as the host path did when it gathered the rows. (Announced
+    pages counted as used only when announced made the rows the device writes back later find
+    their page evicted: 8x the merge reads at dram_ratio 0.05.)"""
+    rows = FileRows(tmp_path / "t.rows", 170 * 6, 6, torch.float32, dram_ratio=0.5, batch_blocks=1)  # 3 of 6 pages
+    try:
+        rows.fill(lambda a, b: torch.zeros(b - a, 6))
+        rows.announce(0, np.array([0]))  # page 0
+        rows.announce(1, np.array([170]))  # page 1
+        rows.ready_for(0)
+        rows.ready_for(1)
+        rows.ready_for(0)  # (batch 0's rows load after batch 1 was announced and loaded)
+        rows.release(0)
+        rows.release(1)
+        rows.announce(2, np.array([340, 510]))  # pages 2 and 3: one of pages 0 and 1 must go
+        rows.ready_for(2)
+        assert rows.block_slot[0] >= 0 and rows.block_slot[1] < 0
+    finally:
+        rows.close()

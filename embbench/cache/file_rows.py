@@ -320,6 +320,8 @@ class FileRows:
             self._issue(upto=number)
             self._wait_for(number)
             self._count_issued(number)
+            if number in self._pinned:  # its pages are used now (their rows' write-backs come later)
+                self._touch(self._pinned[number])
             blocks = np.fromiter(self._changed, np.int64, len(self._changed))
             self._changed.clear()
             return blocks, self.block_slot[blocks]
