@@ -91,6 +91,7 @@ class FileMoves:
         self.ring_words_host = torch.zeros(depth, max_ids + 1, self.row_words, dtype=torch.int32, pin_memory=self.cuda)
         self.ring_words = host_view_on(self.ring_words_host, device)
         self._no_late = torch.zeros(max_ids, dtype=torch.bool, device=device)
+        self._positions = torch.arange(max_ids, device=device)  # a ring entry's places
         self._written = 0  # ring entries written
         self._applied = 0  # ring entries the host has applied (the bookkeeping thread)
         self._applied_changed = threading.Condition()
@@ -114,8 +115,8 @@ class FileMoves:
     def announce(self, number: int, rows: Tensor) -> None:
         """Batch ``number`` will load ``rows`` (``-1``: none; on the device, fixed size): the
         bookkeeping thread reads what host memory lacks once the device has copied them out."""
-        if not self.cuda:
-            self.rows.announce_from_device(number, rows.clone(), None)
+        if not self.cuda:  # (the caller's tensor is its own: where's output)
+            self.rows.announce_from_device(number, rows, None)
             return
         host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(rows, non_blocking=True)
@@ -123,7 +124,7 @@ class FileMoves:
 
     def release(self, number: int) -> None:
         """Batch ``number``'s moves are queued: its blocks are unpinned once the device has done them."""
-        self.rows.release(number, self._event(), later=True)
+        self.rows.release_after(number, self._event())
 
     def _event(self) -> "torch.cuda.Event | None":
         if not self.cuda:
@@ -152,7 +153,7 @@ class FileMoves:
         n = len(rows)
         self.ring_rows[entry, :n] = ordered
         self.ring_rows[entry, n:] = _NO_ROW
-        index = torch.where(ordered != _NO_ROW, torch.arange(n, device=self.device), -1)
+        index = torch.where(ordered != _NO_ROW, self._positions[:n], -1)
         self._copy(self.ring_words[entry], slots[order], index, live, to_host=True)
         self.ring_rows_host[entry].copy_(self.ring_rows[entry], non_blocking=self.cuda)
         self._applying.append(self.rows.after_device(lambda: self._apply(entry), self._event()))

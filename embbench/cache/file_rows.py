@@ -280,16 +280,17 @@ class FileRows:
         self._queued.insert(at, (number, blocks))
         self._issue()
 
-    def release(self, number: int, moved: "torch.cuda.Event | None" = None, later: bool = False) -> None:
-        """Batch ``number``'s rows have moved (on the device once ``moved`` has happened): its
-        blocks may be evicted again (after its announcements, and those of the batches before
-        it). ``later``: the bookkeeping thread does it (after ``moved``), the caller returns at once."""
-        if later:
-            self._announcing.append((number, self._books.submit(self._released, number, moved)))
-            return
+    def release(self, number: int) -> None:
+        """Batch ``number``'s rows have moved: its blocks may be evicted again (after its
+        announcements, and those of the batches before it)."""
         self._settle(number)
         with self._lock:
             self._release(number)
+
+    def release_after(self, number: int, moved: "torch.cuda.Event | None") -> None:
+        """As :meth:`release`, done by the bookkeeping thread once the device's moves have
+        happened (``moved``; None: they have); the caller returns at once."""
+        self._announcing.append((number, self._books.submit(self._released, number, moved)))
 
     def _released(self, number: int, moved) -> None:
         if moved is not None:
