@@ -36,6 +36,21 @@ def _drive(planner: DevicePlanner, batches, steps: range, numbers: dict, running
     return running
 
 
+def _small_freqcache(tables, batch: int, steps: int, lr: float):
+    """A freqcache of a few hundred rows as the runner drives it (look-ahead 3, compile off), its
+    backward aggregating at a fixed shape as on CUDA; and its training batches."""
+    from embbench.cache import FreqCache, FreqCacheParams
+    from embbench.optim import EmbeddingOptimizer
+    from tests.test_freqcache import _context
+
+    data = SyntheticCriteo(tables, 0)
+    batches = [data.batch(Stream.TRAIN, i, batch).sparse for i in range(steps)]
+    module = FreqCache(_context(tables, EmbeddingOptimizer(type="rowwise_adagrad", lr=lr), batches),
+                       FreqCacheParams(cache_ratio=0.05, lookahead=3, profile_batches=2, compile=False, belady_steps=0))
+    module.store.padded_aggregation = True
+    return module, batches
+
+
 def test_a_step_reads_nothing_on_the_host_and_sizes_nothing_by_the_data():
     """Under fake tensors an op whose output size depends on the data (unique, nonzero,
     boolean indexing) or a value read on the host (.item(), int(t)) raises: on CUDA each would
@@ -67,16 +82,9 @@ def test_freqcache_s_training_steps_dispatch_no_operator_that_reads_a_device_val
     """A step as the runner drives it (look-ahead, forward with the late moves, prefetch,
     backward, end), compiled off; the backward aggregates its row gradients at a fixed shape,
     as it does on CUDA (on the CPU it takes ``torch.unique`` unless told otherwise)."""
-    from embbench.cache import FreqCache, FreqCacheParams
-    from embbench.optim import EmbeddingOptimizer
-    from tests.test_freqcache import _context, _train
+    from tests.test_freqcache import _train
 
-    tables = [TableSpec("t0", 300, 8, 1, 1.1), TableSpec("t1", 50, 8, 2, 1.1)]
-    data = SyntheticCriteo(tables, 0)
-    batches = [data.batch(Stream.TRAIN, i, 16).sparse for i in range(14)]
-    module = FreqCache(_context(tables, EmbeddingOptimizer(type="rowwise_adagrad", lr=0.1), batches),
-                       FreqCacheParams(cache_ratio=0.05, lookahead=3, profile_batches=2, compile=False, belady_steps=0))
-    module.store.padded_aggregation = True
+    module, batches = _small_freqcache([TableSpec("t0", 300, 8, 1, 1.1), TableSpec("t1", 50, 8, 2, 1.1)], 16, 14, 0.1)
     _train(module, batches[:4], prefetch=True, lookahead=3)
     for i in range(4, len(batches) - 1):
         with HostReadCheck():
@@ -546,16 +554,9 @@ def test_no_step_of_freqcache_writes_in_place_into_a_concatenation():
     window entry, late moves, backward): inductor may lay a torch.cat's inputs inside its
     buffer, so an in-place write into that buffer (an ATen fallback under deterministic
     algorithms) may overwrite an input a later kernel reads. Build such tensors out of place."""
-    from embbench.cache import FreqCache, FreqCacheParams
-    from embbench.optim import EmbeddingOptimizer
-    from tests.test_freqcache import _context, _train
+    from tests.test_freqcache import _train
 
-    tables = [TableSpec("t0", 300, 4, 2, 1.05), TableSpec("t1", 50, 4, 1, 1.1)]
-    data = SyntheticCriteo(tables, 0)
-    batches = [data.batch(Stream.TRAIN, i, 8).sparse for i in range(8)]
-    cache = FreqCache(_context(tables, EmbeddingOptimizer(type="rowwise_adagrad", lr=0.2), batches),
-                      FreqCacheParams(cache_ratio=0.05, lookahead=3, profile_batches=2, compile=False, belady_steps=0))
-    cache.store.padded_aggregation = True
+    cache, batches = _small_freqcache([TableSpec("t0", 300, 4, 2, 1.05), TableSpec("t1", 50, 4, 1, 1.1)], 8, 8, 0.2)
     _train(cache, batches[:3], prefetch=True, lookahead=3)
     with _CatWrites() as check:
         _train(cache, batches[3:], prefetch=True, lookahead=3)
